@@ -1,0 +1,146 @@
+"""The one small interface every engine implements.
+
+An engine never sees a socket or a protocol event: it receives a
+:class:`GenerationRequest` (the conversation as plain messages plus sampling
+settings) and yields :class:`TextDelta` chunks followed by exactly one
+:class:`Finished`. Cancelling the task that iterates :meth:`Engine.stream`
+must stop the generation inside the engine (TensorRT-LLM: ``abort()``;
+llama.cpp: the stream callback returns ``True``; sim: dropped at the next step).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["system", "user", "assistant"]
+
+FinishReason = Literal["stop", "length"]
+"""Why a generation ended on its own: natural end / stop sequence, or the token budget."""
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    role: Role
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Sampling settings, always passed explicitly (engines have surprising defaults)."""
+
+    max_output_tokens: int | None = None  # None: as many as the engine allows ("inf")
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: str
+    messages: tuple[Message, ...]  # instructions, if any, are the first system message
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    affinity_key: str | None = None  # the conversation, for prefix-cache / slot reuse
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    input_tokens: int  # tokens of the whole rendered prompt
+    output_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the engine's prefix cache
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    reason: FinishReason
+    usage: Usage
+
+
+StreamEvent = TextDelta | Finished
+
+
+class EngineError(Exception):
+    """A generation that cannot run or broke; ``code`` is what a program matches on."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ContextOverflowError(EngineError):
+    """Even the newest message alone does not fit in the context window."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("context_length_exceeded", message)
+
+
+class Engine(abc.ABC):
+    """A shared LLM engine. Only the scheduler calls :meth:`stream`."""
+
+    name: str = "engine"
+
+    @property
+    @abc.abstractmethod
+    def capacity(self) -> int:
+        """How many generations the engine runs at once (the default ``--max-running``)."""
+
+    @property
+    def ready(self) -> bool:
+        """True once :meth:`start` has finished loading; ``/readyz`` reports it."""
+        return self._ready
+
+    _ready: bool = False
+
+    async def start(self) -> None:
+        """Load the model. May take long; ``/readyz`` stays 503 until it returns."""
+        self._ready = True
+
+    async def close(self) -> None:
+        """Release the model; no thread or task of the engine outlives this."""
+        self._ready = False
+
+    @abc.abstractmethod
+    def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
+        """Yield deltas then one :class:`Finished`; raise :class:`EngineError` on failure."""
+
+    def describe(self) -> dict[str, object]:
+        """Extra facts for logs and ``/healthz`` (model name, context size...)."""
+        return {}
+
+
+def fit_to_context(
+    messages: Sequence[Message],
+    count_tokens: Callable[[Sequence[Message]], int],
+    limit: int,
+) -> tuple[tuple[Message, ...], int]:
+    """Drop the oldest non-system turns until ``messages`` fit in ``limit`` tokens.
+
+    Returns the kept messages and how many were dropped. System messages (the
+    instructions) are always kept; the newest message is never dropped, and if it
+    cannot fit even alone a :class:`ContextOverflowError` is raised.
+    """
+    kept = list(messages)
+    dropped = 0
+    while count_tokens(kept) > limit:
+        droppable = [i for i, m in enumerate(kept[:-1]) if m.role != "system"]
+        if not droppable:
+            raise ContextOverflowError(
+                f"the conversation needs {count_tokens(kept)} tokens but only {limit} fit "
+                "in the context window after reserving the answer budget"
+            )
+        del kept[droppable[0]]
+        dropped += 1
+    return tuple(kept), dropped
