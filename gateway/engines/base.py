@@ -60,6 +60,7 @@ class Usage:
 @dataclass(frozen=True, slots=True)
 class TextDelta:
     text: str
+    tokens: int = 1  # tokens this text stands for, for usage when a stream is cut short
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +86,17 @@ class ContextOverflowError(EngineError):
 
     def __init__(self, message: str) -> None:
         super().__init__("context_length_exceeded", message)
+
+
+class EngineUnavailableError(EngineError):
+    """The chosen engine cannot run here as configured (a missing package or a required flag).
+
+    Raised by an engine's ``from_args`` or ``start``; the CLI prints the one-line
+    message, which says what to install or pass, and exits with status 2.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__("engine_unavailable", message)
 
 
 class Engine(abc.ABC):

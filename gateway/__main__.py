@@ -1,0 +1,116 @@
+"""``python -m gateway`` / ``llm-gateway``: parse flags, run until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from gateway import engines
+from gateway.config import GatewayConfig
+from gateway.engines.base import EngineError
+from gateway.server import Gateway
+
+log = logging.getLogger("gateway")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m gateway",
+        description="Streaming LLM gateway: the OpenAI Realtime text protocol over WebSocket.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--host", default="127.0.0.1", help="address to listen on")
+    add("--port", type=int, default=8765, help="port for WebSocket and HTTP (0: any free port)")
+    add("--engine", default=engines.DEFAULT_ENGINE, choices=sorted(engines.ENGINES))
+    add("--model", default=None, help="model for the engine (default: the engine's own)")
+    add(
+        "--max-running",
+        type=int,
+        default=None,
+        help="responses run at once (default: engine capacity)",
+    )
+    add("--max-queued", type=int, default=256, help="responses waiting; beyond: 'overloaded'")
+    add("--max-sessions", type=int, default=None, help="connections at once; beyond: HTTP 503")
+    add("--max-message-bytes", type=int, default=1 << 20, help="largest client frame; beyond: 1009")
+    add("--allowed-origin", action="append", default=[], help="browser Origin allowed (repeatable)")
+    add("--api-key", default=None, help="require this key (Bearer header or subprotocol)")
+    add("--max-parallel-per-session", type=int, default=4, help="out-of-band responses per session")
+    add(
+        "--stall-timeout",
+        type=float,
+        default=30.0,
+        help="close clients that read nothing this long",
+    )
+    add("--no-coalesce", action="store_true", help="send every delta as its own frame (benchmarks)")
+    add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    engines.add_arguments(parser)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        host=args.host,
+        port=args.port,
+        max_running=args.max_running,
+        max_queued=args.max_queued,
+        max_sessions=args.max_sessions,
+        max_message_bytes=args.max_message_bytes,
+        allowed_origins=tuple(args.allowed_origin),
+        api_key=args.api_key,
+        max_parallel_per_session=args.max_parallel_per_session,
+        stall_timeout=args.stall_timeout,
+        coalesce=not args.no_coalesce,
+    )
+
+
+async def serve(gateway: Gateway) -> None:
+    """Run until SIGTERM/SIGINT, then shut down gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await gateway.start()
+    cfg = gateway.config
+    log.info(
+        "listening on ws://%s:%d/v1/realtime (engine %s)",
+        cfg.host,
+        gateway.port,
+        gateway.engine.name,
+    )
+    ready = loop.create_task(gateway.wait_ready())
+    stopping = loop.create_task(stop.wait())
+    await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if ready.done() and ready.exception() is not None:
+        stopping.cancel()
+        await gateway.stop()
+        raise ready.exception()  # type: ignore[misc]
+    await stopping
+    log.info("shutting down")
+    await gateway.stop()
+    log.info("stopped")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        engine = engines.from_args(args)
+        asyncio.run(serve(Gateway(engine, config_from_args(args))))
+    except EngineError as exc:
+        print(f"llm-gateway: {exc.message}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"llm-gateway: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

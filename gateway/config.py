@@ -1,0 +1,23 @@
+"""Settings of one gateway process, as the command line gives them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8765
+    max_running: int | None = None  # None: the engine's own capacity
+    max_queued: int = 256
+    max_sessions: int | None = None
+    max_message_bytes: int = 1 << 20
+    allowed_origins: tuple[str, ...] = ()
+    api_key: str | None = None
+    max_parallel_per_session: int = 4
+    stall_timeout: float = 30.0
+    coalesce: bool = True
+    shutdown_grace: float = 3.0  # seconds to flush response.done before closing sockets
+    worker: str = "0"
+    reuse_port: bool = False

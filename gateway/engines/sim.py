@@ -1,0 +1,260 @@
+"""A simulated continuous-batching engine, for tests and benchmarks.
+
+It behaves like the real thing where the gateway can tell: one step loop, one
+token per running stream per step, at most ``max_batch`` streams a step, the
+prompt counted from the whole rendered conversation, a deterministic answer
+derived from the prompt (with Korean and emoji, so UTF-8 handling is
+exercised), ``max_output_tokens`` and ``stop`` honoured, and an aborted stream
+dropped at the next step boundary. Fault knobs make it fail or stall on demand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import random
+import re
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from gateway.engines.base import (
+    Engine,
+    EngineError,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    Message,
+    StreamEvent,
+    TextDelta,
+    Usage,
+    fit_to_context,
+)
+
+_WORDS = (
+    "the",
+    "gateway",
+    "streams",
+    "tokens",
+    "to",
+    "every",
+    "browser",
+    "and",
+    "engine",
+    "batch",
+    "queue",
+    "fair",
+    "fast",
+    "cancel",
+    "stop",
+    "answer",
+    "model",
+    "step",
+    "socket",
+    "session",
+    "안녕하세요",
+    "스트리밍",
+    "토큰",
+    "비동기",
+    "추론",
+    "대화",
+    "모델",
+    "🚀",
+    "✨",
+    "🙂",
+    "—",
+    "déjà",
+    "naïve",
+)
+_TOKEN_RE = re.compile(r"\w+|[^\w\s]")
+_MESSAGE_OVERHEAD = 4  # like a chat template's role markers
+
+
+def count_tokens(messages: Sequence[Message]) -> int:
+    """Tokens of the rendered conversation: words and symbols plus per-message markers."""
+    return sum(_MESSAGE_OVERHEAD + len(_TOKEN_RE.findall(m.text)) for m in messages) + 2
+
+
+def render(messages: Sequence[Message]) -> str:
+    return "".join(f"<|{m.role}|>{m.text}<|end|>" for m in messages) + "<|assistant|>"
+
+
+def answer_tokens(prompt: str, length: int) -> list[str]:
+    """The deterministic answer to ``prompt``: ``length`` tokens, a word and its space each."""
+    rng = random.Random(hashlib.sha256(prompt.encode()).digest())
+    words = [rng.choice(_WORDS) for _ in range(length)]
+    tokens = [(" " if i else "") + w for i, w in enumerate(words)]
+    if tokens:
+        tokens[0] = tokens[0].capitalize()
+        tokens[-1] += "."
+    return tokens
+
+
+def _cut_at_stop(tokens: list[str], stop: Sequence[str]) -> list[str]:
+    """Tokens up to (not including) the first stop sequence."""
+    text = "".join(tokens)
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    if not cuts:
+        return tokens
+    keep, out = min(cuts), []
+    for token in tokens:
+        if keep <= 0:
+            break
+        out.append(token[:keep])
+        keep -= len(token)
+    return out
+
+
+@dataclass(eq=False, slots=True)
+class _Stream:
+    tokens: deque[str]
+    finish: FinishReason
+    usage_in: int
+    out: asyncio.Queue[StreamEvent | EngineError] = field(default_factory=asyncio.Queue)
+    generated: int = 0
+    aborted: bool = False
+
+
+class SimEngine(Engine):
+    name = "sim"
+
+    def __init__(
+        self,
+        *,
+        step_ms: float = 20.0,
+        max_batch: int = 64,
+        response_tokens: int = 64,
+        context_tokens: int | None = None,
+        fail_after: int | None = None,
+        stall_after: int | None = None,
+    ) -> None:
+        self.step_s = step_ms / 1000
+        self.max_batch = max_batch
+        self.response_tokens = response_tokens
+        self.context_tokens = context_tokens
+        self.fail_after = fail_after
+        self.stall_after = stall_after
+        self._streams: deque[_Stream] = deque()
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self.steps = 0
+        self.tokens_generated = 0
+        self.tokens_after_abort = 0  # must stay 0: aborted streams leave at the next step
+
+    @property
+    def capacity(self) -> int:
+        return self.max_batch
+
+    @property
+    def active(self) -> int:
+        """Streams the step loop still holds (aborted ones leave at the next step)."""
+        return sum(not s.aborted for s in self._streams)
+
+    async def start(self) -> None:
+        self._loop_task = asyncio.get_running_loop().create_task(
+            self._step_loop(), name="sim-steps"
+        )
+        await super().start()
+
+    async def close(self) -> None:
+        await super().close()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+            self._loop_task = None
+
+    def describe(self) -> dict[str, object]:
+        return {"model": "sim", "step_ms": self.step_s * 1000, "max_batch": self.max_batch}
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
+        stream = self._open(request)
+        self._streams.append(stream)
+        self._wake.set()
+        try:
+            while True:
+                item = await stream.out.get()
+                if isinstance(item, EngineError):
+                    raise item
+                yield item
+                if isinstance(item, Finished):
+                    return
+        finally:
+            # Runs when the consumer is cancelled too: the step loop drops the
+            # stream at its next step, so nothing more is generated for it.
+            stream.aborted = True
+
+    def _open(self, request: GenerationRequest) -> _Stream:
+        messages: Sequence[Message] = request.messages
+        budget = request.sampling.max_output_tokens
+        if self.context_tokens is not None:
+            answer_room = min(budget or self.response_tokens, self.context_tokens // 2)
+            messages, _ = fit_to_context(messages, count_tokens, self.context_tokens - answer_room)
+        tokens = answer_tokens(render(messages), self.response_tokens)
+        tokens = _cut_at_stop(tokens, request.sampling.stop)
+        finish: FinishReason = "stop"
+        if budget is not None and len(tokens) > budget:
+            tokens, finish = tokens[:budget], "length"
+        return _Stream(deque(tokens), finish, count_tokens(messages))
+
+    async def _step_loop(self) -> None:
+        while True:
+            if not self._streams:
+                self._wake.clear()
+                await self._wake.wait()
+            self._step()
+            await asyncio.sleep(self.step_s)
+
+    def _step(self) -> None:
+        """One engine iteration: drop aborted streams, one token for each of the batch."""
+        self.steps += 1
+        self._streams = deque(s for s in self._streams if not s.aborted)
+        for stream in list(self._streams)[: self.max_batch]:
+            self._advance(stream)
+
+    def _advance(self, stream: _Stream) -> None:
+        if stream.aborted:
+            self.tokens_after_abort += 1
+        if self.fail_after is not None and stream.generated >= self.fail_after:
+            stream.out.put_nowait(EngineError("engine_error", "simulated engine failure"))
+            stream.aborted = True
+            return
+        if self.stall_after is not None and stream.generated >= self.stall_after:
+            return
+        if stream.tokens:
+            stream.generated += 1
+            self.tokens_generated += 1
+            stream.out.put_nowait(TextDelta(stream.tokens.popleft()))
+        if not stream.tokens:
+            stream.out.put_nowait(Finished(stream.finish, Usage(stream.usage_in, stream.generated)))
+            stream.aborted = True  # finished: leaves the batch at the next step
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--sim-step-ms", type=float, default=20.0, help="engine step time (0: flat out)"
+    )
+    group.add_argument("--sim-max-batch", type=int, default=64, help="streams per engine step")
+    group.add_argument(
+        "--sim-response-tokens", type=int, default=64, help="natural length of a simulated answer"
+    )
+    group.add_argument("--sim-context-tokens", type=int, default=None, help="context window")
+    group.add_argument(
+        "--sim-fail-after", type=int, default=None, help="fail every stream after N tokens"
+    )
+    group.add_argument(
+        "--sim-stall-after", type=int, default=None, help="stall every stream after N tokens"
+    )
+
+
+def from_args(args: argparse.Namespace) -> SimEngine:
+    return SimEngine(
+        step_ms=args.sim_step_ms,
+        max_batch=args.sim_max_batch,
+        response_tokens=args.sim_response_tokens,
+        context_tokens=args.sim_context_tokens,
+        fail_after=args.sim_fail_after,
+        stall_after=args.sim_stall_after,
+    )

@@ -1,0 +1,532 @@
+"""Sans-I/O codec for the text subset of the OpenAI Realtime API (GA event names).
+
+:func:`decode` turns one WebSocket frame into a typed client event or raises
+:class:`ProtocolError`, which carries everything an ``error`` event needs. The
+``*_event`` functions build server events as plain dicts. Nothing here does I/O,
+so every rule of the wire format is testable with strings alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import secrets
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
+
+import orjson
+
+from gateway.engines.base import Role, Usage
+
+JSON: TypeAlias = dict[str, Any]
+
+MAX_STOP_SEQUENCES = 4
+MAX_METADATA_PAIRS = 16
+MAX_ID_CHARS = 64
+
+# ---------------------------------------------------------------------------
+# Ids
+
+
+_counter = itertools.count(1)
+_process_tag = secrets.token_hex(3)
+
+
+def new_id(prefix: str) -> str:
+    """A process-unique id such as ``event_3f2a1c_17``: cheap, sortable, never reused."""
+    return f"{prefix}_{_process_tag}{next(_counter):x}"
+
+
+# ---------------------------------------------------------------------------
+# Errors
+
+
+class ProtocolError(Exception):
+    """A client event the gateway refuses; becomes one ``error`` event, the connection stays."""
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        param: str | None = None,
+        event_id: str | None = None,
+        error_type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+        self.event_id = event_id
+        self.error_type = error_type
+
+
+# ---------------------------------------------------------------------------
+# Client events
+
+
+Unset = Literal["unset"]
+UNSET: Unset = "unset"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionPatch:
+    """The validated fields of a ``session.update``; absent ones stay ``UNSET``."""
+
+    instructions: str | Unset = UNSET
+    max_output_tokens: int | Unset | None = UNSET  # None means "inf"
+    temperature: float | Unset | None = UNSET
+    top_p: float | Unset | None = UNSET
+    seed: int | Unset | None = UNSET
+    stop: tuple[str, ...] | Unset = UNSET
+    model: str | Unset = UNSET
+
+
+@dataclass(frozen=True, slots=True)
+class ItemSpec:
+    """A message item as the client described it."""
+
+    id: str | None
+    role: Role
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseParams:
+    instructions: str | Unset = UNSET
+    max_output_tokens: int | Unset | None = UNSET
+    temperature: float | Unset | None = UNSET
+    top_p: float | Unset | None = UNSET
+    seed: int | Unset | None = UNSET
+    stop: tuple[str, ...] | Unset = UNSET
+    metadata: dict[str, str] | None = None
+    out_of_band: bool = False  # conversation: "none"
+    input: tuple[ItemSpec, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionUpdate:
+    event_id: str | None
+    patch: SessionPatch
+
+
+@dataclass(frozen=True, slots=True)
+class ItemCreate:
+    event_id: str | None
+    item: ItemSpec
+    previous_item_id: str | None = None  # None: append; "root": insert first
+
+
+@dataclass(frozen=True, slots=True)
+class ItemDelete:
+    event_id: str | None
+    item_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ItemRetrieve:
+    event_id: str | None
+    item_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseCreate:
+    event_id: str | None
+    params: ResponseParams = field(default_factory=ResponseParams)
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseCancel:
+    event_id: str | None
+    response_id: str | None = None
+
+
+ClientEvent: TypeAlias = (
+    SessionUpdate | ItemCreate | ItemDelete | ItemRetrieve | ResponseCreate | ResponseCancel
+)
+
+
+# ---------------------------------------------------------------------------
+# Field validation. Each reader takes (value, param path, event_id) and returns
+# the typed value or raises ProtocolError naming the param.
+
+
+class _Reader:
+    """Validates one JSON object's fields, remembering the event_id for errors."""
+
+    def __init__(self, obj: Mapping[str, Any], path: str, event_id: str | None) -> None:
+        self.obj = obj
+        self.path = path
+        self.event_id = event_id
+
+    def param(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def fail(self, key: str, message: str, code: str = "invalid_value") -> ProtocolError:
+        return ProtocolError(code, message, param=self.param(key), event_id=self.event_id)
+
+    def only(self, allowed: frozenset[str]) -> None:
+        for key in self.obj:
+            if key not in allowed:
+                raise self.fail(
+                    key, f"Unknown parameter: '{self.param(key)}'.", "unknown_parameter"
+                )
+
+    def has(self, key: str) -> bool:
+        return key in self.obj
+
+    def required(self, key: str) -> Any:
+        if key not in self.obj:
+            raise self.fail(
+                key,
+                f"Missing required parameter: '{self.param(key)}'.",
+                "missing_required_parameter",
+            )
+        return self.obj[key]
+
+    def string(self, key: str, *, max_chars: int | None = None) -> str:
+        value = self.obj[key]
+        if not isinstance(value, str):
+            raise self.fail(key, f"'{self.param(key)}' must be a string.", "invalid_type")
+        if max_chars is not None and len(value) > max_chars:
+            raise self.fail(key, f"'{self.param(key)}' is longer than {max_chars} characters.")
+        return value
+
+    def optional_string(self, key: str, *, max_chars: int | None = None) -> str | None:
+        return None if self.obj.get(key) is None else self.string(key, max_chars=max_chars)
+
+    def number(self, key: str, low: float, high: float) -> float | None:
+        value = self.obj[key]
+        if value is None:
+            return None
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            raise self.fail(key, f"'{self.param(key)}' must be a number.", "invalid_type")
+        if not low <= value <= high:
+            raise self.fail(key, f"'{self.param(key)}' must be between {low} and {high}.")
+        return float(value)
+
+    def integer(self, key: str, low: int, high: int) -> int | None:
+        value = self.obj[key]
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(key, f"'{self.param(key)}' must be an integer.", "invalid_type")
+        if not low <= value <= high:
+            raise self.fail(key, f"'{self.param(key)}' must be between {low} and {high}.")
+        return value
+
+    def max_tokens(self, key: str) -> int | None:
+        if self.obj[key] == "inf":
+            return None
+        value = self.obj[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1_000_000:
+            raise self.fail(
+                key, f"'{self.param(key)}' must be an integer from 1 to 1000000, or \"inf\"."
+            )
+        return value
+
+    def stop(self, key: str) -> tuple[str, ...]:
+        value = self.obj[key]
+        if value is None:
+            return ()
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+            raise self.fail(
+                key, f"'{self.param(key)}' must be a non-empty string or a list of them."
+            )
+        if len(items) > MAX_STOP_SEQUENCES:
+            raise self.fail(
+                key, f"'{self.param(key)}' holds at most {MAX_STOP_SEQUENCES} sequences."
+            )
+        return tuple(items)
+
+    def modalities(self, key: str) -> None:
+        value = self.obj[key]
+        if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
+            raise self.fail(key, f"'{self.param(key)}' must be a list of strings.", "invalid_type")
+        if value != ["text"]:
+            raise self.fail(
+                key,
+                "This gateway is text only: 'output_modalities' must be [\"text\"].",
+                "unsupported_modality",
+            )
+
+    def child(self, key: str) -> _Reader:
+        value = self.obj[key]
+        if not isinstance(value, dict):
+            raise self.fail(key, f"'{self.param(key)}' must be an object.", "invalid_type")
+        return _Reader(value, self.param(key), self.event_id)
+
+    def child_at(self, key: str, index: int, value: Any) -> _Reader:
+        if not isinstance(value, dict):
+            raise self.fail(f"{key}[{index}]", "Each item must be an object.", "invalid_type")
+        return _Reader(value, f"{self.param(key)}[{index}]", self.event_id)
+
+
+_SAMPLING = frozenset({"temperature", "top_p", "seed", "stop"})
+_SESSION_FIELDS = frozenset(
+    {"type", "model", "instructions", "output_modalities", "max_output_tokens", "object", "id"}
+    | _SAMPLING
+)
+_AUDIO_FIELDS = frozenset({"audio", "voice", "input_audio_format", "output_audio_format"})
+
+
+def _sampling(r: _Reader) -> dict[str, Any]:
+    """The sampling extensions shared by ``session`` and ``response``."""
+    out: dict[str, Any] = {}
+    if r.has("temperature"):
+        out["temperature"] = r.number("temperature", 0.0, 2.0)
+    if r.has("top_p"):
+        out["top_p"] = r.number("top_p", 0.0, 1.0)
+    if r.has("seed"):
+        out["seed"] = r.integer("seed", -(2**63), 2**63 - 1)
+    if r.has("stop"):
+        out["stop"] = r.stop("stop")
+    if r.has("max_output_tokens"):
+        out["max_output_tokens"] = r.max_tokens("max_output_tokens")
+    if r.has("instructions"):
+        out["instructions"] = r.string("instructions")
+    if r.has("output_modalities"):
+        r.modalities("output_modalities")
+    return out
+
+
+def _refuse_audio(r: _Reader) -> None:
+    for key in _AUDIO_FIELDS & r.obj.keys():
+        raise r.fail(
+            key, "Audio is not supported: this gateway speaks text only.", "unsupported_modality"
+        )
+
+
+def _session_update(r: _Reader) -> SessionUpdate:
+    s = r.child("session") if r.has("session") else _Reader({}, "session", r.event_id)
+    _refuse_audio(s)
+    s.only(_SESSION_FIELDS)
+    if s.has("type") and s.obj["type"] != "realtime":
+        raise s.fail("type", "Only session type 'realtime' is supported.")
+    fields = _sampling(s)
+    if s.has("model"):
+        fields["model"] = s.string("model", max_chars=256)
+    return SessionUpdate(r.event_id, SessionPatch(**fields))
+
+
+_ROLE_PART = {"user": "input_text", "system": "input_text", "assistant": "output_text"}
+_ITEM_FIELDS = frozenset({"id", "type", "role", "content", "object", "status"})
+
+
+def _item(r: _Reader) -> ItemSpec:
+    r.only(_ITEM_FIELDS)
+    item_type = r.required("type")
+    if item_type != "message":
+        raise r.fail("type", "Only items of type 'message' are supported.")
+    role = r.required("role")
+    if role not in _ROLE_PART:
+        raise r.fail("role", "'role' must be one of 'user', 'system', 'assistant'.")
+    content = r.required("content")
+    if not isinstance(content, list) or not content:
+        raise r.fail("content", "'content' must be a non-empty list of parts.", "invalid_type")
+    texts = []
+    for index, part in enumerate(content):
+        p = _Reader(part, f"{r.param('content')}[{index}]", r.event_id)
+        if not isinstance(part, dict):
+            raise r.fail(
+                f"content[{index}]", "Each content part must be an object.", "invalid_type"
+            )
+        p.only(frozenset({"type", "text"}))
+        part_type = p.required("type")
+        if part_type not in (_ROLE_PART[role], "text"):
+            code = "unsupported_modality" if "audio" in str(part_type) else "invalid_value"
+            raise p.fail("type", f"A {role} message part must be '{_ROLE_PART[role]}'.", code)
+        p.required("text")
+        texts.append(p.string("text"))
+    return ItemSpec(r.optional_string("id", max_chars=MAX_ID_CHARS), role, "".join(texts))
+
+
+def _item_create(r: _Reader) -> ItemCreate:
+    r.only(frozenset({"type", "event_id", "item", "previous_item_id"}))
+    r.required("item")
+    previous = r.optional_string("previous_item_id", max_chars=MAX_ID_CHARS)
+    return ItemCreate(r.event_id, _item(r.child("item")), previous)
+
+
+def _item_id_event(r: _Reader) -> str:
+    r.only(frozenset({"type", "event_id", "item_id"}))
+    r.required("item_id")
+    return r.string("item_id", max_chars=MAX_ID_CHARS)
+
+
+_RESPONSE_FIELDS = frozenset(
+    {"instructions", "max_output_tokens", "metadata", "conversation", "input", "output_modalities"}
+    | _SAMPLING
+)
+
+
+def _metadata(r: _Reader) -> dict[str, str] | None:
+    value = r.obj["metadata"]
+    if value is None:
+        return None
+    if (
+        not isinstance(value, dict)
+        or len(value) > MAX_METADATA_PAIRS
+        or not all(
+            isinstance(k, str) and isinstance(v, str) and len(v) <= 512 for k, v in value.items()
+        )
+    ):
+        raise r.fail(
+            "metadata", f"'metadata' must map at most {MAX_METADATA_PAIRS} keys to strings."
+        )
+    return dict(value)
+
+
+def _response_create(r: _Reader) -> ResponseCreate:
+    r.only(frozenset({"type", "event_id", "response"}))
+    if not r.has("response") or r.obj["response"] is None:
+        return ResponseCreate(r.event_id)
+    p = r.child("response")
+    _refuse_audio(p)
+    p.only(_RESPONSE_FIELDS)
+    fields = _sampling(p)
+    metadata = _metadata(p) if p.has("metadata") else None
+    out_of_band = False
+    if p.has("conversation"):
+        if p.obj["conversation"] not in ("auto", "none"):
+            raise p.fail("conversation", "'conversation' must be 'auto' or 'none'.")
+        out_of_band = p.obj["conversation"] == "none"
+    items: tuple[ItemSpec, ...] | None = None
+    if p.has("input"):
+        raw = p.obj["input"]
+        if not isinstance(raw, list):
+            raise p.fail("input", "'input' must be a list of items.", "invalid_type")
+        items = tuple(_item(p.child_at("input", i, value)) for i, value in enumerate(raw))
+    return ResponseCreate(
+        r.event_id,
+        ResponseParams(metadata=metadata, out_of_band=out_of_band, input=items, **fields),
+    )
+
+
+def _response_cancel(r: _Reader) -> ResponseCancel:
+    r.only(frozenset({"type", "event_id", "response_id"}))
+    return ResponseCancel(r.event_id, r.optional_string("response_id", max_chars=MAX_ID_CHARS))
+
+
+_DECODERS: dict[str, Callable[[_Reader], ClientEvent]] = {
+    "session.update": _session_update,
+    "conversation.item.create": _item_create,
+    "conversation.item.delete": lambda r: ItemDelete(r.event_id, _item_id_event(r)),
+    "conversation.item.retrieve": lambda r: ItemRetrieve(r.event_id, _item_id_event(r)),
+    "response.create": _response_create,
+    "response.cancel": _response_cancel,
+}
+_AUDIO_EVENTS = ("input_audio_buffer.", "output_audio_buffer.")
+
+
+def decode(frame: str | bytes) -> ClientEvent:
+    """Parse and validate one client frame. Raises :class:`ProtocolError`."""
+    if isinstance(frame, bytes):
+        raise ProtocolError(
+            "binary_frame_not_supported", "Send client events as JSON in text frames, not binary."
+        )
+    try:
+        obj = orjson.loads(frame)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError("invalid_json", f"The frame is not valid JSON: {exc}.") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("invalid_event", "A client event must be a JSON object.")
+    raw_id = obj.get("event_id")
+    event_id = raw_id if isinstance(raw_id, str) and len(raw_id) <= MAX_ID_CHARS else None
+    if "event_id" in obj and raw_id is not None and event_id is None:
+        raise ProtocolError(
+            "invalid_value",
+            "'event_id' must be a string of at most 64 characters.",
+            param="event_id",
+        )
+    event_type = obj.get("type")
+    if event_type is None:
+        raise ProtocolError(
+            "missing_required_parameter",
+            "Missing required parameter: 'type'.",
+            param="type",
+            event_id=event_id,
+        )
+    if not isinstance(event_type, str):
+        raise ProtocolError(
+            "invalid_type", "'type' must be a string.", param="type", event_id=event_id
+        )
+    decoder = _DECODERS.get(event_type)
+    if decoder is None:
+        if event_type.startswith(_AUDIO_EVENTS):
+            raise ProtocolError(
+                "unsupported_modality",
+                "Audio is not supported: this gateway speaks text only.",
+                param="type",
+                event_id=event_id,
+            )
+        raise ProtocolError(
+            "unknown_event_type",
+            f"Unknown event type '{event_type[:64]}'.",
+            param="type",
+            event_id=event_id,
+        )
+    reader = _Reader(obj, "", event_id)
+    if event_type == "session.update":
+        reader.only(frozenset({"type", "event_id", "session"}))
+    return decoder(reader)
+
+
+# ---------------------------------------------------------------------------
+# Server events
+
+
+def encode(event: JSON) -> bytes:
+    return orjson.dumps(event)
+
+
+def event(event_type: str, **fields: Any) -> JSON:
+    """Any server event: its ``type``, a fresh ``event_id`` and the given fields."""
+    return {"type": event_type, "event_id": new_id("event"), **fields}
+
+
+def error_event(err: ProtocolError) -> JSON:
+    return event(
+        "error",
+        error={
+            "type": err.error_type,
+            "code": err.code,
+            "message": err.message,
+            "param": err.param,
+            "event_id": err.event_id,
+        },
+    )
+
+
+def message_item(item_id: str, role: Role, text: str, status: str = "completed") -> JSON:
+    part_type = _ROLE_PART[role]
+    return {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "message",
+        "status": status,
+        "role": role,
+        "content": [{"type": part_type, "text": text}],
+    }
+
+
+def usage_json(usage: Usage | None) -> JSON | None:
+    if usage is None:
+        return None
+    return {
+        "total_tokens": usage.total_tokens,
+        "input_tokens": usage.input_tokens,
+        "output_tokens": usage.output_tokens,
+        "input_token_details": {
+            "cached_tokens": usage.cached_tokens,
+            "text_tokens": usage.input_tokens,
+            "audio_tokens": 0,
+        },
+        "output_token_details": {"text_tokens": usage.output_tokens, "audio_tokens": 0},
+    }

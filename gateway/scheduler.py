@@ -1,0 +1,221 @@
+"""Admission to the one shared engine, and fan-out of its streams.
+
+The scheduler is the only code that talks to the engine. It admits at most
+``max_running`` jobs, keeps at most ``max_queued`` waiting, refuses the rest at
+once, and picks the next job round-robin across sessions (FIFO within one), so
+a session firing a batch of out-of-band responses cannot starve the others.
+
+Admission is synchronous (in :meth:`submit` and when a job ends) rather than a
+wake-up of a separate task: everything runs on one event loop thread, so the
+scheduler is still the single owner of the queue, and a response starts
+without an extra loop hop. Each running job gets one consumer task that
+iterates ``engine.stream``; cancelling that task is how the engine is told to
+abort (the stream's ``finally`` runs inside the engine adapter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from gateway.engines.base import Engine, EngineError, Finished, GenerationRequest, Usage
+from gateway.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+Status = Literal["completed", "incomplete", "cancelled", "failed"]
+CancelReason = Literal["client_cancelled", "disconnected", "server_shutdown"]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a job ended. ``text`` is exactly the deltas delivered, joined."""
+
+    status: Status
+    text: str
+    usage: Usage
+    error: EngineError | None = None
+    cancel_reason: CancelReason | None = None
+
+
+class JobSink(Protocol):
+    """Where a job's results go (the owning session). Called on the event loop thread."""
+
+    def on_delta(self, job: Job, text: str) -> None: ...
+
+    def on_finish(self, job: Job, outcome: Outcome) -> None: ...
+
+
+@dataclass(eq=False, slots=True)
+class Job:
+    request: GenerationRequest
+    session_key: str
+    sink: JobSink
+    state: Literal["new", "queued", "running", "done"] = "new"
+    parts: list[str] = field(default_factory=list)
+    output_tokens: int = 0
+    task: asyncio.Task[Outcome] | None = None
+    cancel_reason: CancelReason | None = None
+    submitted_at: float = 0.0
+    started_at: float = 0.0
+    last_token_at: float = 0.0
+    cancel_at: float = 0.0
+
+
+class Scheduler:
+    def __init__(
+        self, engine: Engine, *, max_running: int, max_queued: int, metrics: Metrics | None = None
+    ) -> None:
+        self.engine = engine
+        self.max_running = max_running
+        self.max_queued = max_queued
+        self.metrics = metrics or Metrics()
+        self._running: set[Job] = set()
+        self._queues: dict[str, deque[Job]] = {}  # insertion order is the round-robin order
+        self._queued = 0
+        self._closing = False
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def submit(self, job: Job) -> bool:
+        """Queue ``job`` and start what fits. False (and nothing kept) if full."""
+        if self._closing or (
+            self._queued >= self.max_queued and len(self._running) >= self.max_running
+        ):
+            self.metrics.refused.labels(reason="overloaded").inc()
+            return False
+        job.submitted_at = time.perf_counter()
+        job.state = "queued"
+        self._queues.setdefault(job.session_key, deque()).append(job)
+        self._queued += 1
+        self._admit()
+        self._update_gauges()
+        return True
+
+    def cancel(self, job: Job, reason: CancelReason) -> None:
+        """Stop ``job``. Its sink's ``on_finish`` runs exactly once: now if it was
+        queued, or when the engine stream has unwound if it was running."""
+        if job.state in ("done", "new") or job.cancel_reason is not None:
+            return
+        job.cancel_reason = reason
+        job.cancel_at = time.perf_counter()
+        if job.state == "queued":
+            queue = self._queues[job.session_key]
+            queue.remove(job)
+            if not queue:
+                del self._queues[job.session_key]
+            self._queued -= 1
+            self._finish(job, Outcome("cancelled", "", Usage(0, 0), cancel_reason=reason))
+            self._update_gauges()
+        elif job.task is not None:
+            job.task.cancel()
+
+    async def close(self) -> None:
+        """Refuse new work, cancel everything, and wait until the engine is idle."""
+        self._closing = True
+        for queue in list(self._queues.values()):
+            for job in list(queue):
+                self.cancel(job, "server_shutdown")
+        tasks = [job.task for job in self._running if job.task is not None]
+        for job in list(self._running):
+            self.cancel(job, "server_shutdown")
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- internals ---------------------------------------------------------
+
+    def _admit(self) -> None:
+        while self._queues and len(self._running) < self.max_running:
+            session_key, queue = next(iter(self._queues.items()))
+            job = queue.popleft()
+            # Rotate: this session goes to the back of the line if it has more.
+            del self._queues[session_key]
+            if queue:
+                self._queues[session_key] = queue
+            self._queued -= 1
+            self._start(job)
+
+    def _start(self, job: Job) -> None:
+        job.state = "running"
+        job.started_at = job.last_token_at = time.perf_counter()
+        self.metrics.queue_wait.observe(job.started_at - job.submitted_at)
+        self._running.add(job)
+        job.task = asyncio.get_running_loop().create_task(
+            self._consume(job), name=f"job-{job.request.request_id}"
+        )
+        # A done callback, not a ``finally``: a task cancelled before its first step
+        # never runs its body, and the job must still end exactly once.
+        job.task.add_done_callback(lambda task: self._on_task_done(job, task))
+
+    async def _consume(self, job: Job) -> Outcome:
+        try:
+            return await self._stream(job)
+        except EngineError as exc:
+            return self._partial(job, "failed", exc)
+        except Exception as exc:  # an engine bug must not take the gateway down
+            log.exception("engine stream for %s crashed", job.request.request_id)
+            return self._partial(job, "failed", EngineError("engine_error", str(exc)))
+
+    def _on_task_done(self, job: Job, task: asyncio.Task[Outcome]) -> None:
+        # Cancelled means our own cancel (response.cancel, disconnect, shutdown): the
+        # engine stream was closed on the way out, which aborted the generation.
+        outcome = self._partial(job, "cancelled") if task.cancelled() else task.result()
+        self._running.discard(job)
+        self._finish(job, outcome)
+        if not self._closing:
+            self._admit()
+        self._update_gauges()
+
+    async def _stream(self, job: Job) -> Outcome:
+        sink, metrics = job.sink, self.metrics
+        stream = self.engine.stream(job.request)
+        try:
+            async for item in stream:
+                if isinstance(item, Finished):
+                    status: Status = "completed" if item.reason == "stop" else "incomplete"
+                    return Outcome(status, "".join(job.parts), item.usage)
+                now = time.perf_counter()
+                if job.parts:
+                    metrics.inter_token.observe(now - job.last_token_at)
+                else:
+                    metrics.ttft.observe(now - job.submitted_at)
+                job.last_token_at = now
+                job.parts.append(item.text)
+                job.output_tokens += item.tokens
+                sink.on_delta(job, item.text)
+        finally:
+            # Close the engine's generator now, in this task, even when cancelled:
+            # its cleanup is what aborts the generation in the engine.
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        raise EngineError("engine_error", "the engine stream ended without a finish reason")
+
+    def _partial(self, job: Job, status: Status, error: EngineError | None = None) -> Outcome:
+        usage = Usage(0, job.output_tokens)
+        return Outcome(status, "".join(job.parts), usage, error, job.cancel_reason)
+
+    def _finish(self, job: Job, outcome: Outcome) -> None:
+        job.state = "done"
+        now = time.perf_counter()
+        m = self.metrics
+        m.finished.labels(status=outcome.status).inc()
+        m.output_tokens.inc(outcome.usage.output_tokens)
+        m.deltas.inc(len(job.parts))
+        m.e2e.observe(now - job.submitted_at)
+        if job.cancel_at:
+            m.cancel_latency.observe(now - job.cancel_at)
+        job.sink.on_finish(job, outcome)
+
+    def _update_gauges(self) -> None:
+        self.metrics.running.set(len(self._running))
+        self.metrics.queued.set(self._queued)

@@ -1,0 +1,268 @@
+"""The network edge: one port for the Realtime WebSocket and a few HTTP routes.
+
+Per connection three tasks run: this module's reader (frames -> decoded events
+-> the session's inbox), the session actor (sessions/session.py), and this
+module's writer (the session's outbox -> the socket). Only the writer sends on
+the socket, so a slow client blocks nothing but its own writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import Sequence
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+from websockets.typing import Subprotocol
+
+from gateway import http, protocol
+from gateway.config import GatewayConfig
+from gateway.engines.base import Engine
+from gateway.metrics import Metrics
+from gateway.scheduler import Scheduler
+from sessions.outbox import CloseRequest, Outbox
+from sessions.session import Session, SessionConfig, SessionLimits
+
+log = logging.getLogger(__name__)
+
+REALTIME_PATHS = ("/v1/realtime", "/v1/realtime/")
+KEY_SUBPROTOCOL = "openai-insecure-api-key."
+
+
+class Gateway:
+    """One gateway process: the server, the scheduler and the shared engine."""
+
+    def __init__(self, engine: Engine, config: GatewayConfig, metrics: Metrics | None = None):
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics or Metrics(config.worker)
+        self.metrics.set_engine(engine.name)
+        self.scheduler = Scheduler(
+            engine,
+            max_running=config.max_running or engine.capacity,
+            max_queued=config.max_queued,
+            metrics=self.metrics,
+        )
+        self.sessions: set[Session] = set()
+        self._server: Server | None = None
+        self._engine_task: asyncio.Task[None] | None = None
+        self._limits = SessionLimits(max_parallel_out_of_band=config.max_parallel_per_session)
+        self.started_at = time.time()
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Listen at once; load the engine in the background (``/readyz`` says when)."""
+        self._server = await serve(
+            self._handle,
+            self.config.host,
+            self.config.port,
+            process_request=self._process_request,
+            select_subprotocol=_select_subprotocol,
+            max_size=self.config.max_message_bytes,
+            compression=None,  # small JSON frames: deflate costs more CPU than it saves
+            close_timeout=2,
+            reuse_port=self.config.reuse_port or None,
+        )
+        self._engine_task = asyncio.get_running_loop().create_task(self._start_engine())
+
+    async def _start_engine(self) -> None:
+        started = time.perf_counter()
+        try:
+            await self.engine.start()
+        except Exception:
+            log.exception("engine %s failed to start", self.engine.name)
+            raise
+        log.info(
+            "engine %s ready in %.2fs %s",
+            self.engine.name,
+            time.perf_counter() - started,
+            self.engine.describe(),
+        )
+
+    async def wait_ready(self) -> None:
+        assert self._engine_task is not None
+        await asyncio.shield(self._engine_task)
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        port: int = next(iter(self._server.sockets)).getsockname()[1]
+        return port
+
+    async def stop(self) -> None:
+        """Stop accepting, end every response with ``response.done``, close with 1001."""
+        server = self._server
+        if server is None:
+            return
+        server.close(close_connections=False)
+        for session in list(self.sessions):
+            session.close("server_shutdown", 1001, "server shutting down")
+        try:
+            async with asyncio.timeout(self.config.shutdown_grace):
+                await server.wait_closed()
+        except TimeoutError:
+            log.warning(
+                "connections still open after %.1fs; aborting them", self.config.shutdown_grace
+            )
+            for connection in list(server.connections):
+                connection.transport.abort()
+            await server.wait_closed()
+        await self.scheduler.close()
+        if self._engine_task is not None and not self._engine_task.done():
+            self._engine_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            if self._engine_task is not None:
+                await self._engine_task
+        await self.engine.close()
+        self._server = None
+
+    # -- HTTP ------------------------------------------------------------------
+
+    def health(self) -> dict[str, object]:
+        return {
+            "status": "ok",
+            "engine": self.engine.name,
+            "worker": self.config.worker,
+            "sessions": len(self.sessions),
+            "responses": {"running": self.scheduler.running, "queued": self.scheduler.queued},
+        }
+
+    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        path = request.path.partition("?")[0]
+        upgrade = "websocket" in request.headers.get("Upgrade", "").lower()
+        if path in REALTIME_PATHS:
+            refusal = self._refuse_handshake(request) if upgrade else None
+            if refusal is not None:
+                self.metrics.connections_refused.labels(status=str(refusal.status_code)).inc()
+            return refusal
+        if not upgrade:
+            if path == "/healthz":
+                return http.json_response(200, self.health())
+            if path == "/readyz":
+                ready = self.engine.ready
+                return http.json_response(200 if ready else 503, {"ready": ready})
+            if path == "/metrics":
+                return http.response(
+                    200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8"
+                )
+            page = http.static_response(path)
+            if page is not None:
+                return page
+        return http.text_response(404, f"Not found: {path}. The WebSocket is at /v1/realtime.")
+
+    def _refuse_handshake(self, request: Request) -> Response | None:
+        origin = request.headers.get("Origin")
+        allowed = self.config.allowed_origins
+        if allowed and origin is not None and origin not in allowed:
+            return http.text_response(403, f"Origin {origin} is not allowed.")
+        if self.config.api_key is not None and not self._authorized(request):
+            return http.text_response(
+                401,
+                "Missing or wrong API key: send 'Authorization: Bearer KEY' or the "
+                "subprotocol 'openai-insecure-api-key.KEY'.",
+                {"WWW-Authenticate": "Bearer"},
+            )
+        limit = self.config.max_sessions
+        if limit is not None and len(self.sessions) >= limit:
+            return http.text_response(503, f"Too many sessions (limit {limit}); retry later.")
+        if not self.engine.ready:
+            return http.text_response(503, "The engine is still loading; retry shortly.")
+        return None
+
+    def _authorized(self, request: Request) -> bool:
+        key = self.config.api_key
+        assert key is not None
+        offered: list[str] = []
+        auth = request.headers.get("Authorization", "")
+        if auth.lower().startswith("bearer "):
+            offered.append(auth[7:].strip())
+        for header in request.headers.get_all("Sec-WebSocket-Protocol"):
+            offered += [
+                p.strip()[len(KEY_SUBPROTOCOL) :]
+                for p in header.split(",")
+                if p.strip().startswith(KEY_SUBPROTOCOL)
+            ]
+        return any(hmac.compare_digest(o.encode(), key.encode()) for o in offered)
+
+    # -- WebSocket ---------------------------------------------------------------
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        limit = self.config.max_sessions
+        if limit is not None and len(self.sessions) >= limit:
+            # Handshakes that raced past the HTTP check: refuse at the WebSocket level.
+            await ws.close(1013, "too many sessions")
+            return
+        outbox = Outbox(coalesce=self.config.coalesce)
+        session = Session(
+            self.scheduler,
+            outbox,
+            config=SessionConfig(model=str(self.engine.describe().get("model", self.engine.name))),
+            limits=self._limits,
+            metrics=self.metrics,
+        )
+        self.sessions.add(session)
+        self.metrics.sessions.inc()
+        self.metrics.sessions_total.inc()
+        loop = asyncio.get_running_loop()
+        actor = loop.create_task(session.run(), name=f"actor-{session.id}")
+        writer = loop.create_task(self._write(ws, outbox), name=f"writer-{session.id}")
+        try:
+            await self._read(ws, session)
+        finally:
+            session.close("disconnected")
+            await actor
+            # The writer ends itself after the close request; if the socket is gone
+            # or stuck, nothing it holds is worth waiting for.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.5 if ws.close_code is not None else 2.5):
+                    await asyncio.shield(writer)
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writer
+            self.sessions.discard(session)
+            self.metrics.sessions.dec()
+
+    async def _read(self, ws: ServerConnection, session: Session) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            async for frame in ws:
+                try:
+                    event: protocol.ClientEvent | protocol.ProtocolError = protocol.decode(frame)
+                except protocol.ProtocolError as err:
+                    event = err
+                await session.deliver(event)
+
+    async def _write(self, ws: ServerConnection, outbox: Outbox) -> None:
+        metrics, stall = self.metrics, self.config.stall_timeout
+        try:
+            while True:
+                frame = await outbox.get()
+                if isinstance(frame, CloseRequest):
+                    await ws.close(frame.code, frame.reason)
+                    return
+                data, is_delta = frame
+                try:
+                    async with asyncio.timeout(stall):
+                        await ws.send(data, text=True)
+                except TimeoutError:
+                    log.info("closing a connection that read nothing for %.0fs", stall)
+                    await ws.close(1008, "client stopped reading")
+                    return
+                metrics.frames.inc()
+                metrics.bytes_out.inc(len(data))
+                if is_delta:
+                    metrics.delta_frames.inc()
+        except ConnectionClosed:
+            return
+
+
+def _select_subprotocol(
+    connection: ServerConnection, subprotocols: Sequence[Subprotocol]
+) -> Subprotocol | None:
+    # Browsers offer "realtime" plus the key as a second subprotocol; never echo the key.
+    return Subprotocol("realtime") if "realtime" in subprotocols else None

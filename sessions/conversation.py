@@ -1,0 +1,73 @@
+"""The ordered items of one conversation; changed only by its session actor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.engines.base import Message, Role
+from gateway.protocol import JSON, message_item
+
+ItemStatus = str  # "completed" | "incomplete" | "in_progress"
+
+
+@dataclass(slots=True)
+class Item:
+    id: str
+    role: Role
+    text: str
+    status: ItemStatus = "completed"
+
+    def to_json(self) -> JSON:
+        return message_item(self.id, self.role, self.text, self.status)
+
+
+class Conversation:
+    """Items in order, addressable by id. Bounded by the session's ``max_items``."""
+
+    def __init__(self, max_items: int = 4096) -> None:
+        self._items: list[Item] = []
+        self._by_id: dict[str, Item] = {}
+        self.max_items = max_items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, item_id: object) -> bool:
+        return item_id in self._by_id
+
+    def get(self, item_id: str) -> Item | None:
+        return self._by_id.get(item_id)
+
+    def last_id(self) -> str | None:
+        return self._items[-1].id if self._items else None
+
+    def previous_id(self, item_id: str) -> str | None:
+        index = self._items.index(self._by_id[item_id])
+        return self._items[index - 1].id if index else None
+
+    def insert(self, item: Item, after: str | None = None) -> None:
+        """Append, or insert after item ``after`` (``"root"``: first). Ids must be new."""
+        if item.id in self._by_id:
+            raise KeyError(item.id)
+        if after is None:
+            self._items.append(item)
+        elif after == "root":
+            self._items.insert(0, item)
+        else:
+            self._items.insert(self._items.index(self._by_id[after]) + 1, item)
+        self._by_id[item.id] = item
+
+    def delete(self, item_id: str) -> Item:
+        item = self._by_id.pop(item_id)
+        self._items.remove(item)
+        return item
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._by_id.clear()
+
+    def to_messages(self) -> list[Message]:
+        """What the engine sees: every finished item with text, in order."""
+        return [
+            Message(i.role, i.text) for i in self._items if i.text and i.status != "in_progress"
+        ]
