@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
+import subprocess
 import sys
 from collections.abc import Sequence
 
@@ -48,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--no-coalesce", action="store_true", help="send every delta as its own frame (benchmarks)")
     add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add("--workers", type=int, default=1, help="gateway processes sharing the port (SO_REUSEPORT)")
+    add("--worker-index", type=int, default=None, help=argparse.SUPPRESS)  # set by --workers
     engines.add_arguments(parser)
     return parser
 
@@ -65,6 +69,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_parallel_per_session=args.max_parallel_per_session,
         stall_timeout=args.stall_timeout,
         coalesce=not args.no_coalesce,
+        worker=str(args.worker_index or 0),
+        reuse_port=args.worker_index is not None,
     )
 
 
@@ -95,11 +101,47 @@ async def serve(gateway: Gateway) -> None:
     log.info("stopped")
 
 
+def run_workers(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Start ``--workers`` copies of this command on one port; forward SIGTERM/SIGINT."""
+    port = args.port or _free_port(args.host)
+    base = [a for a in argv if not a.startswith("--workers")]
+    if "--workers" in argv:  # the value was a separate word
+        index = list(argv).index("--workers")
+        base = list(argv[:index]) + list(argv[index + 2 :])
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-m", "gateway", *base, "--port", str(port), "--worker-index", str(i)]
+        )
+        for i in range(args.workers)
+    ]
+    log.info("started %d workers on port %d", len(children), port)
+
+    def forward(signum: int, _frame: object) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    codes = [child.wait() for child in children]
+    return max(codes, key=abs)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.workers > 1 and args.worker_index is None:
+        return run_workers(args, argv)
     try:
         engine = engines.from_args(args)
         asyncio.run(serve(Gateway(engine, config_from_args(args))))

@@ -2,7 +2,7 @@
 
 The scheduler is the only code that talks to the engine. It admits at most
 ``max_running`` jobs, keeps at most ``max_queued`` waiting, refuses the rest at
-once, and picks the next job round-robin across sessions (FIFO within one), so
+once, and picks the next job fairly across sessions (FIFO within one), so
 a session firing a batch of out-of-band responses cannot starve the others.
 
 Admission is synchronous (in :meth:`submit` and when a job ends) rather than a
@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -77,6 +77,9 @@ class Scheduler:
         self._running: set[Job] = set()
         self._queues: dict[str, deque[Job]] = {}  # insertion order is the round-robin order
         self._queued = 0
+        self._running_by_session: Counter[str] = Counter()
+        self._last_served: dict[str, int] = {}
+        self._served = 0
         self._closing = False
 
     @property
@@ -115,6 +118,7 @@ class Scheduler:
             if not queue:
                 del self._queues[job.session_key]
             self._queued -= 1
+            self._forget_if_idle(job.session_key)
             self._finish(job, Outcome("cancelled", "", Usage(0, 0), cancel_reason=reason))
             self._update_gauges()
         elif job.task is not None:
@@ -135,20 +139,33 @@ class Scheduler:
 
     def _admit(self) -> None:
         while self._queues and len(self._running) < self.max_running:
-            session_key, queue = next(iter(self._queues.items()))
+            # The waiting session with the fewest responses running goes first, ties
+            # to the one served longest ago: a newcomer overtakes a session that was
+            # just served, which is what keeps one batch from starving everyone else.
+            session_key = min(self._queues, key=self._priority)
+            queue = self._queues.pop(session_key)
             job = queue.popleft()
-            # Rotate: this session goes to the back of the line if it has more.
-            del self._queues[session_key]
-            if queue:
+            if queue:  # back of the line with what it has left
                 self._queues[session_key] = queue
             self._queued -= 1
+            self._served += 1
+            self._last_served[session_key] = self._served
             self._start(job)
+
+    def _priority(self, session_key: str) -> tuple[int, int]:
+        return self._running_by_session[session_key], self._last_served.get(session_key, 0)
+
+    def _forget_if_idle(self, session_key: str) -> None:
+        if not self._running_by_session[session_key] and session_key not in self._queues:
+            del self._running_by_session[session_key]
+            self._last_served.pop(session_key, None)
 
     def _start(self, job: Job) -> None:
         job.state = "running"
         job.started_at = job.last_token_at = time.perf_counter()
         self.metrics.queue_wait.observe(job.started_at - job.submitted_at)
         self._running.add(job)
+        self._running_by_session[job.session_key] += 1
         job.task = asyncio.get_running_loop().create_task(
             self._consume(job), name=f"job-{job.request.request_id}"
         )
@@ -170,6 +187,8 @@ class Scheduler:
         # engine stream was closed on the way out, which aborted the generation.
         outcome = self._partial(job, "cancelled") if task.cancelled() else task.result()
         self._running.discard(job)
+        self._running_by_session[job.session_key] -= 1
+        self._forget_if_idle(job.session_key)
         self._finish(job, outcome)
         if not self._closing:
             self._admit()

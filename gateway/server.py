@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 REALTIME_PATHS = ("/v1/realtime", "/v1/realtime/")
 KEY_SUBPROTOCOL = "openai-insecure-api-key."
+CLOSE_TIMEOUT = 2.0
 
 
 class Gateway:
@@ -66,7 +67,7 @@ class Gateway:
             select_subprotocol=_select_subprotocol,
             max_size=self.config.max_message_bytes,
             compression=None,  # small JSON frames: deflate costs more CPU than it saves
-            close_timeout=2,
+            close_timeout=CLOSE_TIMEOUT,
             reuse_port=self.config.reuse_port or None,
         )
         self._engine_task = asyncio.get_running_loop().create_task(self._start_engine())
@@ -243,15 +244,15 @@ class Gateway:
             while True:
                 frame = await outbox.get()
                 if isinstance(frame, CloseRequest):
-                    await ws.close(frame.code, frame.reason)
+                    await _close(ws, frame.code, frame.reason)
                     return
                 data, is_delta = frame
                 try:
                     async with asyncio.timeout(stall):
                         await ws.send(data, text=True)
                 except TimeoutError:
-                    log.info("closing a connection that read nothing for %.0fs", stall)
-                    await ws.close(1008, "client stopped reading")
+                    log.info("closing a connection that read nothing for %.1fs", stall)
+                    await _close(ws, 1008, "client stopped reading")
                     return
                 metrics.frames.inc()
                 metrics.bytes_out.inc(len(data))
@@ -259,6 +260,16 @@ class Gateway:
                     metrics.delta_frames.inc()
         except ConnectionClosed:
             return
+
+
+async def _close(ws: ServerConnection, code: int, reason: str) -> None:
+    """Close with ``code``; if the close frame cannot even be written (the client reads
+    nothing, so ``close()`` would wait on a full buffer forever), drop the TCP connection."""
+    try:
+        async with asyncio.timeout(CLOSE_TIMEOUT):
+            await ws.close(code, reason)
+    except TimeoutError:
+        ws.transport.abort()
 
 
 def _select_subprotocol(
