@@ -34,8 +34,8 @@ _process_tag = secrets.token_hex(3)
 
 
 def new_id(prefix: str) -> str:
-    """A process-unique id such as ``event_3f2a1c_17``: cheap, sortable, never reused."""
-    return f"{prefix}_{_process_tag}{next(_counter):x}"
+    """A process-unique id such as ``event_3f2a1c_17``: cheap, and never reused."""
+    return f"{prefix}_{_process_tag}_{next(_counter):x}"
 
 
 # ---------------------------------------------------------------------------

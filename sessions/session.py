@@ -385,10 +385,14 @@ class Session:
     def _response_cancel(self, event: p.ResponseCancel) -> None:
         target = self._cancel_target(event.response_id)
         if target is None:
-            what = f"response '{event.response_id}'" if event.response_id else "any response"
+            what = (
+                f"response '{event.response_id}' is not active"
+                if event.response_id
+                else ("no response is active")
+            )
             raise p.ProtocolError(
                 "response_cancel_not_active",
-                f"Cancellation failed: there is no active {what} to cancel.",
+                f"Cancellation failed: {what}.",
                 param="response_id" if event.response_id else None,
                 event_id=event.event_id,
             )

@@ -1,0 +1,542 @@
+"""The asyncio client: one :class:`AsyncChat` per WebSocket, one conversation per chat.
+
+There is no background reader task. Whoever needs the next server event (an iterating
+stream, a ``cancel()``, an ``update()``) takes the read lock, receives one event and
+dispatches it to its owner (the active stream, or a request waiting for its answer), then
+checks whether its own wait is over. So nothing is buffered behind the library's back,
+the gateway feels the reader's pace (back-pressure), and no task outlives the chat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Generator, Mapping
+from types import TracebackType
+from typing import Any, Unpack
+
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+
+from gateway.client import events
+from gateway.client.errors import (
+    ClientError,
+    ConnectionLost,
+    GatewayError,
+    GatewayTimeout,
+    GatewayUnavailable,
+    HandshakeRefused,
+)
+from gateway.client.events import JSON, ResponseOptions, SessionOptions
+from gateway.client.reply import Reply, failure_of, reply_from_done
+
+logger = logging.getLogger("gateway.client")
+
+DEFAULT_TIMEOUT = 120.0
+"""Seconds to wait for any one server event (not for a whole answer) before giving up."""
+
+
+class _Waiter:
+    """A request waiting for its answer event, or for an ``error`` naming its ``event_id``."""
+
+    def __init__(self, event_id: str, accept: Callable[[JSON], bool]) -> None:
+        self.event_id = event_id
+        self.accept = accept
+        self.event: JSON | None = None
+        self.error: GatewayError | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.event is not None or self.error is not None
+
+
+class AsyncChat:
+    """One conversation with the gateway over one WebSocket.
+
+    Ask one question at a time: :meth:`ask` waits for a previous :meth:`ask`, and starting a
+    new question cancels a previous :meth:`stream` that was left unfinished. For several
+    conversations at once, open several chats (e.g. ``asyncio.gather`` over ``connect()``).
+    """
+
+    def __init__(self, ws: ClientConnection, session: JSON, timeout: float | None) -> None:
+        self._ws = ws
+        self.session: JSON = session  # the gateway's view of the session settings
+        self.timeout = timeout
+        self._ids = events.EventIds()
+        self._read_lock = asyncio.Lock()
+        self._turn_lock = asyncio.Lock()
+        self._waiters: list[_Waiter] = []
+        self._active: AsyncStream | None = None
+        # Cancels that may race with the answer's natural end: the gateway then answers
+        # with an error that concerns nobody any more. Such an error comes right after the
+        # answer's end, so remembering the last few cancels is enough (and stays bounded).
+        self._cancel_ids: deque[str] = deque(maxlen=16)
+
+    # -- opening and closing ---------------------------------------------------------
+
+    @classmethod
+    async def open(
+        cls,
+        url: str | None = None,
+        *,
+        api_key: str | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,  # noqa: ASYNC109 (bounds each wait, not the call)
+        **options: Unpack[SessionOptions],
+    ) -> AsyncChat:
+        """Connect, wait for ``session.created`` and apply ``options`` with ``session.update``."""
+        ws = await _open_socket(events.resolve_url(url), api_key, timeout)
+        try:
+            first = await _recv_json(ws, timeout)
+            if first.get("type") == "error":
+                raise GatewayError.from_event(first)
+            if first.get("type") != "session.created":
+                raise ClientError(f"expected session.created first, got {first.get('type')!r}")
+            session = first.get("session")
+            chat = cls(ws, session if isinstance(session, dict) else {}, timeout)
+            if options:
+                await chat.update(**options)
+        except BaseException:
+            await ws.close()
+            raise
+        return chat
+
+    async def close(self) -> None:
+        """Close the WebSocket; the gateway stops whatever this chat still had running."""
+        await self._ws.close()
+
+    async def __aenter__(self) -> AsyncChat:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # -- the public calls -------------------------------------------------------------
+
+    async def update(self, **options: Unpack[SessionOptions]) -> JSON:
+        """Change session settings (instructions, sampling...); returns the updated session."""
+        eid = self._ids.event()
+        answer = await self._request(
+            events.session_update(eid, options), lambda e: e.get("type") == "session.updated"
+        )
+        session = answer.get("session")
+        if isinstance(session, dict):
+            self.session = session
+        return self.session
+
+    async def ask(self, text: str, **options: Unpack[ResponseOptions]) -> Reply:
+        """Send ``text`` as the user's next message and return the whole answer.
+
+        Raises :class:`GatewayError` if the gateway refuses or the answer fails.
+        """
+        async with self._turn_lock:
+            stream = AsyncStream(self, text, options)
+            await stream._start_locked()
+            async for _ in stream:
+                pass
+        assert stream.reply is not None  # a stream that ends without error has a reply
+        return stream.reply
+
+    def stream(self, text: str, **options: Unpack[ResponseOptions]) -> AsyncStream:
+        """Like :meth:`ask` but iterate the answer: ``async for delta in chat.stream(text)``.
+
+        Nothing is sent until iteration starts.
+        """
+        return AsyncStream(self, text, options)
+
+    async def cancel(self) -> Reply | None:
+        """Stop the answer in progress, if any, and return its (cancelled) reply."""
+        active = self._active
+        return await active.cancel() if active is not None else None
+
+    @property
+    def closed(self) -> bool:
+        return self._ws.close_code is not None
+
+    # -- turns ------------------------------------------------------------------------
+
+    async def _begin_turn(self, stream: AsyncStream) -> None:
+        """Add the user message, then ask for the answer. The caller holds the turn lock."""
+        previous = self._active
+        if previous is not None and not previous.finished:
+            await previous.cancel()  # left unfinished by its reader: a new question wins
+        item_id = self._ids.item()
+
+        def is_our_item(event: JSON) -> bool:
+            item = event.get("item")
+            return (
+                event.get("type") == "conversation.item.done"
+                and isinstance(item, dict)
+                and item.get("id") == item_id
+            )
+
+        await self._request(
+            events.user_message(self._ids.event(), item_id, stream.text), is_our_item
+        )
+        stream._response_event_id = self._ids.event()
+        self._active = stream
+        await self._send(events.response_create(stream._response_event_id, stream.options))
+
+    async def _send_cancel(self, response_id: str | None) -> None:
+        eid = self._ids.event()
+        self._cancel_ids.append(eid)
+        await self._send(events.response_cancel(eid, response_id))
+
+    # -- the event pump ---------------------------------------------------------------
+
+    async def _request(self, event: JSON, accept: Callable[[JSON], bool]) -> JSON:
+        """Send ``event`` and pump until an accepted answer or an error naming it arrives."""
+        waiter = _Waiter(str(event["event_id"]), accept)
+        self._waiters.append(waiter)
+        try:
+            await self._send(event)
+            await self._pump(lambda: waiter.done)
+        finally:
+            self._waiters.remove(waiter)
+        if waiter.error is not None:
+            raise waiter.error
+        assert waiter.event is not None
+        return waiter.event
+
+    async def _pump(self, done: Callable[[], bool]) -> None:
+        """Receive and dispatch events until ``done()``.
+
+        Several tasks may pump at once (a reader and a canceller); the lock makes them take
+        turns, and each re-checks ``done()`` after getting the lock, because the other may
+        have received the very event it waited for.
+        """
+        while not done():
+            async with self._read_lock:
+                if done():
+                    return
+                self._dispatch(await _recv_json(self._ws, self.timeout))
+
+    async def _send(self, event: JSON) -> None:
+        try:
+            async with _deadline(self.timeout, "sending to the gateway"):
+                await self._ws.send(json.dumps(event))
+        except ConnectionClosed as exc:
+            raise _lost(exc) from None
+
+    def _dispatch(self, event: JSON) -> None:
+        if event.get("type") == "error":
+            self._dispatch_error(GatewayError.from_event(event))
+            return
+        active = self._active
+        if active is not None and active._offer(event):
+            return
+        for waiter in self._waiters:
+            if not waiter.done and waiter.accept(event):
+                waiter.event = event
+                return
+        # Anything else (conversation.item.added, an older response's tail...) is informational.
+
+    def _dispatch_error(self, err: GatewayError) -> None:
+        if err.event_id is not None and err.event_id in self._cancel_ids:
+            self._cancel_ids.remove(err.event_id)  # the answer had ended before the cancel
+            return
+        active = self._active if self._active is not None and not self._active.finished else None
+        if active is not None and err.event_id == active._response_event_id:
+            active._fail(err)  # the answer was refused (overloaded, already one running...)
+            return
+        pending = [w for w in self._waiters if not w.done]
+        for waiter in pending:
+            if waiter.event_id == err.event_id:
+                waiter.error = err
+                return
+        if active is not None and active.response_id is not None and err.event_id is None:
+            # A failure inside a running answer (the engine broke): the gateway reports it,
+            # then still ends the answer with response.done (status failed), which the
+            # stream waits for so that its reply keeps the text generated so far.
+            logger.debug("error during response %s: %s", active.response_id, err)
+            return
+        # An error naming none of our requests: hand it to whoever waits so it is not lost.
+        if active is not None:
+            active._fail(err)
+        elif pending:
+            pending[0].error = err
+        else:
+            logger.warning("gateway error nobody waited for: %s", err)
+
+
+class AsyncStream:
+    """One answer as it is generated: ``async for delta in stream`` yields the new text.
+
+    After the loop, :attr:`reply` holds the final :class:`Reply`. :meth:`cancel` stops the
+    answer on the gateway; no delta is yielded after it is called. A stream left unfinished
+    (``break``) goes on until the next question cancels it, or use ``async with`` to
+    cancel it on leaving the block.
+    """
+
+    def __init__(self, chat: AsyncChat, text: str, options: Mapping[str, Any]) -> None:
+        self.text = text
+        self.options = options
+        self._chat = chat
+        self._started = False
+        self._response_event_id: str | None = None
+        self.response_id: str | None = None
+        self._pending: deque[str] = deque()  # received, not yet yielded
+        self._parts: list[str] = []  # every delta received, yielded or not
+        self._final_text: str | None = None
+        self._cancelled = False
+        self._t0 = 0.0
+        self._ttft: float | None = None
+        self._reply: Reply | None = None
+        self._error: BaseException | None = None
+        self._error_raised = False
+        self._finished = False
+
+    @property
+    def reply(self) -> Reply | None:
+        """The final reply once the answer ended (also after :meth:`cancel`), else ``None``."""
+        return self._reply
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """``async with chat.stream(text) as s``: leaving the block early cancels the answer."""
+        if self._started and not self._finished:
+            with contextlib.suppress(ClientError):
+                await self.cancel()
+
+    async def __anext__(self) -> str:
+        await self._start()
+        try:
+            await self._chat._pump(lambda: bool(self._pending) or self._finished)
+        except ClientError as exc:
+            await self._abandon(exc)
+            raise
+        if self._pending:
+            return self._pending.popleft()
+        if self._error is not None and not self._error_raised:
+            self._error_raised = True
+            raise self._error
+        raise StopAsyncIteration
+
+    async def cancel(self) -> Reply | None:
+        """Stop this answer on the gateway and wait for its end; returns the final reply.
+
+        Safe to call from another task while one iterates, and after the end (no-op).
+        A stream that never started is simply never sent (returns ``None``).
+        """
+        self._cancelled = True
+        self._pending.clear()
+        if not self._started:
+            self._started = True
+            self._finish_unsent()
+            return None
+        if self._finished:
+            return self._reply
+        await self._chat._send_cancel(self.response_id)
+        await self._chat._pump(lambda: self._finished)
+        return self._reply
+
+    # -- lifecycle (called by the chat) -------------------------------------------------
+
+    async def _start(self) -> None:
+        if self._started:
+            return
+        async with self._chat._turn_lock:
+            await self._start_locked()
+
+    async def _start_locked(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self._t0 = time.monotonic()
+        try:
+            await self._chat._begin_turn(self)
+        except BaseException as exc:
+            # Interrupted after response.create may have gone out: stay unfinished, so that
+            # cancel() (or the next question) stops the answer the gateway may be running.
+            if self._chat._active is not self or not isinstance(exc, asyncio.CancelledError):
+                self._fail(exc)
+                self._error_raised = True  # raised right here, not again by the iterator
+            raise
+
+    def _offer(self, event: JSON) -> bool:
+        """Take ``event`` if it belongs to this answer; returns whether it did."""
+        kind = str(event.get("type", ""))
+        if self._finished or not kind.startswith("response."):
+            return False
+        rid = events.response_id_of(event)
+        if kind == "response.created" and self.response_id is None:
+            self.response_id = rid
+            return True
+        if rid is None or rid != self.response_id:
+            return False  # an older answer's tail
+        if kind == "response.output_text.delta":
+            self._on_delta(str(event.get("delta", "")))
+        elif kind == "response.output_text.done" and isinstance(event.get("text"), str):
+            self._final_text = event["text"]
+        elif kind == "response.done":
+            self._on_done(event)
+        return True
+
+    def _on_delta(self, delta: str) -> None:
+        if self._ttft is None and delta:
+            self._ttft = time.monotonic() - self._t0
+        self._parts.append(delta)
+        if not self._cancelled:
+            self._pending.append(delta)
+
+    def _on_done(self, done: JSON) -> None:
+        text = self._final_text if self._final_text is not None else "".join(self._parts)
+        self._reply = reply_from_done(done, text, self._ttft, time.monotonic() - self._t0)
+        failure = failure_of(done)
+        if failure is not None:
+            self._error = GatewayError(*failure, reply=self._reply)
+        self._end()
+
+    def _fail(self, err: BaseException) -> None:
+        self._error = err
+        self._end()
+
+    def _finish_unsent(self) -> None:
+        self._reply = Reply("", "cancelled", None, None, None, reason="client_cancelled")
+        self._end()
+
+    def _end(self) -> None:
+        self._finished = True
+        if self._chat._active is self:
+            self._chat._active = None
+
+    async def _abandon(self, exc: ClientError) -> None:
+        """The wait broke (timeout, lost connection): end the stream, and try to stop the answer."""
+        if self._finished:
+            return
+        self._fail(exc)
+        self._error_raised = True  # the caller raises ``exc`` itself
+        if isinstance(exc, GatewayTimeout):
+            with contextlib.suppress(ClientError):
+                await self._chat._send_cancel(self.response_id)
+
+
+class Connect:
+    """What :func:`connect` returns: ``async with`` it, or ``await`` it (then close the chat)."""
+
+    def __init__(
+        self, url: str | None, api_key: str | None, timeout: float | None, options: SessionOptions
+    ) -> None:
+        self._url = url
+        self._api_key = api_key
+        self._timeout = timeout
+        self._options = options
+        self._chat: AsyncChat | None = None
+
+    def __await__(self) -> Generator[Any, None, AsyncChat]:
+        return AsyncChat.open(
+            self._url, api_key=self._api_key, timeout=self._timeout, **self._options
+        ).__await__()
+
+    async def __aenter__(self) -> AsyncChat:
+        self._chat = await self
+        return self._chat
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._chat is not None:
+            await self._chat.close()
+
+
+def connect(
+    url: str | None = None,
+    *,
+    api_key: str | None = None,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    **options: Unpack[SessionOptions],
+) -> Connect:
+    """Open a conversation: ``async with connect(url, instructions=...) as chat``.
+
+    ``url`` defaults to ``$GATEWAY_URL``, then ``ws://127.0.0.1:8765/v1/realtime``.
+    ``timeout`` bounds every wait for the gateway (seconds; ``None``: wait forever).
+    ``options`` (instructions, max_output_tokens, temperature, top_p, seed, stop) are sent
+    with ``session.update`` and apply to every answer.
+    """
+    return Connect(url, api_key, timeout, options)
+
+
+# -- socket helpers ---------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _deadline(seconds: float | None, doing: str) -> AsyncIterator[None]:
+    try:
+        async with asyncio.timeout(seconds):
+            yield
+    except TimeoutError:
+        raise GatewayTimeout(f"no progress {doing} for {seconds} s") from None
+
+
+async def _open_socket(url: str, api_key: str | None, seconds: float | None) -> ClientConnection:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    try:
+        return await ws_connect(url, additional_headers=headers, open_timeout=seconds)
+    except InvalidStatus as exc:
+        raise _refused(exc) from None
+    except TimeoutError:
+        raise GatewayTimeout(f"no WebSocket handshake with {url} within {seconds} s") from None
+    except (OSError, InvalidHandshake, InvalidURI) as exc:
+        raise GatewayUnavailable(f"cannot connect to the gateway at {url}: {exc}") from exc
+
+
+def _refused(exc: InvalidStatus) -> HandshakeRefused:
+    status = exc.response.status_code
+    code = "unauthorized" if status in (401, 403) else f"http_{status}"
+    message = exc.response.body.decode(errors="replace").strip() if exc.response.body else ""
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        error = json.loads(message).get("error", {})
+        code, message = str(error.get("code") or code), str(error.get("message") or message)
+    return HandshakeRefused(status, code, message or exc.response.reason_phrase)
+
+
+async def _recv_json(ws: ClientConnection, seconds: float | None) -> JSON:
+    """The next server event. Cancelling ``recv`` loses nothing, so the timeout is safe."""
+    try:
+        async with _deadline(seconds, "waiting for the gateway"):
+            frame = await ws.recv()
+    except ConnectionClosed as exc:
+        raise _lost(exc) from None
+    try:
+        event = json.loads(frame)
+    except ValueError:
+        raise ClientError(f"the gateway sent a frame that is not JSON: {frame[:80]!r}") from None
+    if not isinstance(event, dict):
+        raise ClientError(f"the gateway sent a frame that is not an event: {frame[:80]!r}")
+    return event
+
+
+def _lost(exc: ConnectionClosed) -> ConnectionLost:
+    close = exc.rcvd or exc.sent
+    code = close.code if close is not None else None
+    reason = close.reason if close is not None else ""
+    detail = f" (close code {code}{': ' + reason if reason else ''})" if code is not None else ""
+    return ConnectionLost(
+        f"the connection to the gateway was lost{detail}", code=code, reason=reason
+    )

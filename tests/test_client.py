@@ -1,0 +1,567 @@
+"""The Python client against a live gateway on the simulated engine.
+
+Async tests share the test's loop with an in-process gateway. Whatever blocks (the sync
+client, a subprocess, a Jupyter kernel) talks to a gateway on its own thread and loop
+(:class:`GatewayThread`): blocking the test's loop must not freeze the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import pytest
+
+import gateway.client as gc
+from gateway.client import cli
+from gateway.engines.sim import SimEngine
+from tests.harness import RawClient, RunningGateway, running_gateway
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = 20.0
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+
+
+class GatewayThread:
+    """A gateway on a thread with its own event loop, reachable from other threads/processes."""
+
+    def __init__(self, engine: SimEngine, **settings: Any) -> None:
+        self.engine = engine
+        self._settings = settings
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=asyncio.run, args=(self._main(),), daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self.ws_url = ""
+        self.http_url = ""
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        try:
+            async with running_gateway(self.engine, **self._settings) as gw:
+                self.ws_url, self.http_url = gw.ws_url, gw.http_url
+                self._ready.set()
+                await self._stop.wait()
+        except BaseException as exc:
+            self._error = exc
+            raise
+        finally:
+            self._ready.set()
+
+    def __enter__(self) -> GatewayThread:
+        self._thread.start()
+        assert self._ready.wait(TIMEOUT), "gateway thread did not start"
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._loop is not None and self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(TIMEOUT)
+
+    def health(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.http_url + "/healthz", timeout=TIMEOUT) as r:
+            health: dict[str, Any] = json.loads(r.read())
+        return health
+
+    def wait_no_running(self) -> None:
+        """Until the gateway runs and queues no response (the cancel reached the engine)."""
+        deadline = time.monotonic() + TIMEOUT
+        while (r := self.health()["responses"])["running"] or r["queued"]:
+            assert time.monotonic() < deadline, f"responses still running: {r}"
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def threaded() -> Iterator[GatewayThread]:
+    """10 ms steps, 150-token answers (1.5 s): long enough to interrupt one by hand."""
+    with GatewayThread(SimEngine(step_ms=10, response_tokens=150)) as gateway:
+        yield gateway
+
+
+@pytest.fixture
+async def slow_gw() -> AsyncIterator[RunningGateway]:
+    """Answers of 400 tokens at 5 ms: a stream is still running when the test acts on it."""
+    async with running_gateway(SimEngine(step_ms=5, response_tokens=400)) as running:
+        yield running
+
+
+async def raw_answer(url: str, question: str, **session: Any) -> str:
+    """The answer to ``question`` in a fresh conversation, over the raw protocol."""
+    async with RawClient.connect(url) as raw:
+        if session:
+            await raw.send({"type": "session.update", "session": {"type": "realtime", **session}})
+            await raw.recv_until("session.updated")
+        await raw.say(question)
+        turn = await raw.respond()
+        assert turn.status in ("completed", "incomplete")
+        return turn.text
+
+
+def subprocess_env(url: str) -> dict[str, str]:
+    env = dict(os.environ, GATEWAY_URL=url, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+# ---------------------------------------------------------------------------
+# Async: ask, gather, stream, cancel
+
+
+async def test_ask_returns_what_the_raw_protocol_returns(gw: RunningGateway) -> None:
+    expected = await raw_answer(gw.ws_url, "What is a GPU?", instructions="Be brief.")
+    async with gc.connect(gw.ws_url, instructions="Be brief.") as chat:
+        reply = await chat.ask("What is a GPU?")
+    assert reply.text == expected
+    assert str(reply) == expected
+    assert reply.status == "completed"
+    assert reply.response_id
+    assert reply.usage is not None and reply.usage.output_tokens > 0
+    assert reply.time_to_first_token is not None
+    assert 0 <= reply.time_to_first_token <= reply.elapsed
+
+
+async def test_stream_yields_the_answer_piece_by_piece(gw: RunningGateway) -> None:
+    expected = await raw_answer(gw.ws_url, "Tell me about batching")
+    async with gc.connect(gw.ws_url) as chat:
+        stream = chat.stream("Tell me about batching")
+        deltas = [delta async for delta in stream]
+    assert len(deltas) > 1
+    assert "".join(deltas) == expected
+    assert stream.reply is not None and stream.reply.text == expected
+
+
+async def test_a_conversation_remembers_earlier_turns(gw: RunningGateway) -> None:
+    async with gc.connect(gw.ws_url) as chat:
+        await chat.ask("first question")
+        second = await chat.ask("second question")
+    # The sim answers from the whole rendered conversation: alone, the question differs.
+    assert second.text != await raw_answer(gw.ws_url, "second question")
+    assert second.usage is not None and second.usage.input_tokens > 10
+
+
+async def test_gather_runs_conversations_concurrently() -> None:
+    async with running_gateway(SimEngine(step_ms=10, response_tokens=30)) as gw:
+
+        async def one(i: int) -> gc.Reply:
+            async with gc.connect(gw.ws_url) as chat:
+                return await chat.ask(f"question number {i}")
+
+        started = time.monotonic()
+        await one(0)
+        single = time.monotonic() - started
+
+        started = time.monotonic()
+        replies = await asyncio.gather(*(one(i) for i in range(8)))
+        together = time.monotonic() - started
+
+    assert all(r.status == "completed" and r.text for r in replies)
+    assert len({r.text for r in replies}) > 1  # eight real conversations, not one answer
+    ratio = together / single
+    print(f"\ngather: one answer {single:.3f} s, 8 gathered {together:.3f} s, ratio {ratio:.2f}")
+    assert ratio < 3.0, f"8 gathered conversations took {ratio:.1f}x one (sequential: 8x)"
+
+
+async def test_stream_cancel_stops_the_answer(slow_gw: RunningGateway) -> None:
+    async with gc.connect(slow_gw.ws_url) as chat:
+        stream = chat.stream("Tell me a long story")
+        seen: list[str] = []
+        after_cancel: list[str] = []
+        reply = None
+        async for delta in stream:
+            if stream.finished or len(seen) >= 3:
+                after_cancel.append(delta)
+                continue
+            seen.append(delta)
+            if len(seen) == 3:
+                reply = await stream.cancel()
+        assert after_cancel == []
+        assert reply is not None and reply is stream.reply
+        assert reply.status == "cancelled"
+        assert reply.text.startswith("".join(seen))
+        assert reply.usage is not None and reply.usage.output_tokens < 400
+        # The conversation goes on, with the cut answer in it.
+        follow_up = await chat.ask("go on", max_output_tokens=5)
+        assert follow_up.status == "incomplete" and follow_up.reason == "max_output_tokens"
+    await slow_gw.wait_idle()
+
+
+async def test_cancel_from_another_task_ends_the_reader(slow_gw: RunningGateway) -> None:
+    async with gc.connect(slow_gw.ws_url) as chat:
+        stream = chat.stream("Tell me a long story")
+        first = asyncio.Event()
+
+        async def read() -> list[str]:
+            out = []
+            async for delta in stream:
+                out.append(delta)
+                first.set()
+            return out
+
+        reader = asyncio.create_task(read())
+        await first.wait()
+        reply = await stream.cancel()
+        deltas = await asyncio.wait_for(reader, TIMEOUT)
+    assert reply is not None and reply.status == "cancelled"
+    assert reply.text.startswith("".join(deltas))
+
+
+async def test_a_new_question_cancels_an_abandoned_stream(slow_gw: RunningGateway) -> None:
+    async with gc.connect(slow_gw.ws_url) as chat:
+        stream = chat.stream("Tell me a long story")
+        async for _ in stream:
+            break  # abandoned: the gateway is still generating it
+        reply = await chat.ask("short one", max_output_tokens=3)
+        assert stream.reply is not None and stream.reply.status == "cancelled"
+        assert reply.usage is not None and reply.usage.output_tokens == 3
+
+
+async def test_async_with_stream_cancels_on_leaving(slow_gw: RunningGateway) -> None:
+    async with gc.connect(slow_gw.ws_url) as chat:
+        async with chat.stream("Tell me a long story") as stream:
+            async for _ in stream:
+                break
+        assert stream.reply is not None and stream.reply.status == "cancelled"
+
+
+# ---------------------------------------------------------------------------
+# Errors: typed, and never a silent hang
+
+
+async def test_a_refused_setting_raises_gateway_error(gw: RunningGateway) -> None:
+    with pytest.raises(gc.GatewayError) as caught:
+        async with gc.connect(gw.ws_url, temperature=5.0):
+            pass
+    assert caught.value.code == "invalid_value"
+    assert caught.value.param == "session.temperature"
+
+    async with gc.connect(gw.ws_url) as chat:
+        with pytest.raises(gc.GatewayError) as caught:
+            await chat.ask("hi", top_p=3.0)
+        assert caught.value.code == "invalid_value"
+        assert (await chat.ask("hi")).status == "completed"  # the chat stays usable
+
+
+async def test_a_full_gateway_raises_overloaded() -> None:
+    engine = SimEngine(step_ms=5, response_tokens=400)
+    async with (
+        running_gateway(engine, max_running=1, max_queued=0) as gw,
+        gc.connect(gw.ws_url) as busy,
+        gc.connect(gw.ws_url) as chat,
+    ):
+        async with busy.stream("Tell me a long story") as stream:
+            await anext(stream)  # the one slot is taken
+            with pytest.raises(gc.GatewayError) as caught:
+                await chat.ask("me too")
+            assert caught.value.code == "overloaded"
+        assert (await chat.ask("now?", max_output_tokens=2)).text  # the slot is free again
+
+
+async def test_a_cancel_that_crosses_the_answers_end_is_harmless(gw: RunningGateway) -> None:
+    async with gc.connect(gw.ws_url) as chat:
+        stream = chat.stream("short")
+        _ = [delta async for delta in stream]
+        assert stream.reply is not None
+        assert await stream.cancel() is stream.reply  # after the end: nothing to do
+        await chat._send_cancel(stream.reply.response_id)  # as if sent just before the end
+        assert (await chat.ask("next")).status == "completed"
+
+
+async def test_a_failed_answer_raises_with_the_partial_reply() -> None:
+    async with (
+        running_gateway(SimEngine(step_ms=1, fail_after=3)) as gw,
+        gc.connect(gw.ws_url) as chat,
+    ):
+        deltas = []
+        with pytest.raises(gc.GatewayError) as caught:
+            async for delta in chat.stream("this will break"):
+                deltas.append(delta)
+    assert caught.value.reply is not None and caught.value.reply.status == "failed"
+    assert caught.value.reply.text == "".join(deltas)
+
+
+async def test_a_dropped_connection_raises_connection_lost(slow_gw: RunningGateway) -> None:
+    async with gc.connect(slow_gw.ws_url) as chat:
+        stream = chat.stream("Tell me a long story")
+        with pytest.raises(gc.ConnectionLost):
+            async for _ in stream:
+                chat._ws.transport.abort()  # the network goes away mid-answer
+        with pytest.raises(gc.ConnectionLost):
+            await chat.ask("anyone there?")
+    await slow_gw.wait_idle()  # and the gateway freed what the answer held
+
+
+async def test_a_silent_gateway_times_out() -> None:
+    async with running_gateway(SimEngine(step_ms=1, stall_after=2)) as gw:
+        async with gc.connect(gw.ws_url, timeout=0.3) as chat:
+            started = time.monotonic()
+            with pytest.raises(gc.GatewayTimeout):
+                await chat.ask("this will stall")
+            assert time.monotonic() - started < 3
+        await gw.wait_idle()
+
+
+async def test_wrong_key_and_no_gateway_are_told_apart() -> None:
+    async with running_gateway(SimEngine(step_ms=1), api_key="sesame") as gw:
+        with pytest.raises(gc.HandshakeRefused) as caught:
+            await gc.connect(gw.ws_url, api_key="wrong")
+        assert caught.value.status == 401
+        async with gc.connect(gw.ws_url, api_key="sesame") as chat:
+            assert (await chat.ask("hi")).text
+        port = gw.gateway.port
+    with pytest.raises(gc.GatewayUnavailable):
+        await gc.connect(f"ws://127.0.0.1:{port}", timeout=5)
+
+
+def test_urls_get_the_realtime_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert gc.resolve_url("ws://h:1") == "ws://h:1/v1/realtime"
+    assert gc.resolve_url("http://h:1/") == "ws://h:1/v1/realtime"
+    assert gc.resolve_url("wss://h/custom") == "wss://h/custom"
+    monkeypatch.setenv("GATEWAY_URL", "ws://elsewhere:9")
+    assert gc.resolve_url(None) == "ws://elsewhere:9/v1/realtime"
+    monkeypatch.delenv("GATEWAY_URL")
+    assert gc.resolve_url(None) == gc.DEFAULT_URL
+    with pytest.raises(ValueError):
+        gc.resolve_url("ftp://h")
+
+
+# ---------------------------------------------------------------------------
+# Sync: in a plain function, inside a running loop, and Ctrl-C
+
+
+def test_sync_client_returns_what_the_raw_protocol_returns(threaded: GatewayThread) -> None:
+    expected = asyncio.run(raw_answer(threaded.ws_url, "Hello", max_output_tokens=20))
+    with gc.connect_sync(threaded.ws_url, max_output_tokens=20) as chat:
+        reply = chat.ask("Hello")
+    with gc.connect_sync(threaded.ws_url, max_output_tokens=20) as chat:
+        stream = chat.stream("Hello")
+        deltas = list(stream)
+    assert reply.text == expected
+    assert "".join(deltas) == expected and len(deltas) > 1
+    assert stream.reply is not None and stream.reply.status == "incomplete"
+
+
+async def test_sync_client_works_inside_a_running_loop(threaded: GatewayThread) -> None:
+    asyncio.get_running_loop()  # like a notebook cell: a loop runs on this very thread
+    expected = await raw_answer(threaded.ws_url, "Inside a loop", max_output_tokens=20)
+    with gc.connect_sync(threaded.ws_url, max_output_tokens=20) as chat:
+        assert chat.ask("Inside a loop").text == expected
+        assert "".join(chat.stream("Inside a loop")) != ""  # a second turn streams too
+
+
+def test_sync_break_cancels_the_answer(threaded: GatewayThread) -> None:
+    with gc.connect_sync(threaded.ws_url) as chat:
+        stream = chat.stream("Tell me a long story")
+        for _ in stream:
+            break
+        assert stream.reply is not None and stream.reply.status == "cancelled"
+        threaded.wait_no_running()
+
+
+def test_ctrl_c_during_a_sync_call_cancels_it_on_the_gateway() -> None:
+    with (
+        GatewayThread(SimEngine(step_ms=1, stall_after=3)) as stalled,
+        gc.connect_sync(stalled.ws_url) as chat,
+    ):
+        stream = chat.stream("this will stall after three tokens")
+        deltas = []
+        timer = None
+        with pytest.raises(KeyboardInterrupt):
+            for delta in stream:
+                deltas.append(delta)
+                if len(deltas) == 3:  # the next wait never ends: a person presses Ctrl-C
+                    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+                    timer.start()
+        assert timer is not None
+        timer.join()
+        assert stream.reply is not None and stream.reply.status == "cancelled"
+        assert stream.reply.text == "".join(deltas)
+        stalled.wait_no_running()
+
+        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            chat.ask("this will stall too")  # Ctrl-C while a blocking ask waits
+        timer.join()
+        stalled.wait_no_running()
+        assert chat.ask("still there?", max_output_tokens=2).status == "incomplete"
+
+
+# ---------------------------------------------------------------------------
+# The examples, and the terminal chat
+
+
+def test_three_modes_script_runs(threaded: GatewayThread) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "three_modes.py")],
+        env=subprocess_env(threaded.ws_url),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "== asynchronous streaming" in done.stdout and "(cancelled)" in done.stdout
+
+
+def test_notebook_runs_top_to_bottom_in_a_kernel(
+    threaded: GatewayThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    path = ROOT / "examples" / "notebook.ipynb"
+    notebook = nbformat.read(path, as_version=4)
+    assert all(not c.get("outputs") for c in notebook.cells if c.cell_type == "code"), (
+        "commit the notebook without outputs"
+    )
+    for key, value in subprocess_env(threaded.ws_url).items():
+        monkeypatch.setenv(key, value)  # the kernel inherits this process's environment
+    client = nbclient.NotebookClient(
+        notebook,
+        timeout=60,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(ROOT / "examples")}},
+    )
+    client.execute()  # raises CellExecutionError on the first failing cell
+    outputs = "".join(
+        o.get("text", "") for c in notebook.cells if c.cell_type == "code" for o in c.outputs
+    )
+    assert "(cancelled)" in outputs and "invalid_value" in outputs
+
+
+def test_terminal_chat_once(threaded: GatewayThread) -> None:
+    expected = asyncio.run(raw_answer(threaded.ws_url, "Hi there", max_output_tokens=20))
+    command = [sys.executable, "-m", "gateway.client", threaded.ws_url, "--max-output-tokens", "20"]
+    env = subprocess_env(threaded.ws_url)
+    done = subprocess.run(
+        [*command, "--once", "Hi there"], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == expected + "\n"
+    piped = subprocess.run(
+        [*command, "--once", "-"], input="Hi there\n", env=env, capture_output=True, text=True
+    )
+    assert piped.stdout == expected + "\n"
+
+
+def test_terminal_chat_once_reports_a_missing_gateway() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.client", "ws://127.0.0.1:9", "--once", "hi"],
+        env=subprocess_env("ws://127.0.0.1:9"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 1
+    assert "cannot connect" in done.stderr
+
+
+# Makes the pty the child's controlling terminal, so that Ctrl-C typed into it is a SIGINT
+# to the child's process group, exactly as in a real terminal; then becomes the chat.
+_CTTY = (
+    "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+    "os.execv(sys.executable, [sys.executable, '-m', 'gateway.client', *sys.argv[1:]])"
+)
+
+
+class Terminal:
+    """A program on a pseudo-terminal: type into it, wait for what it prints."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        master, slave = pty.openpty()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _CTTY, *args],
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            start_new_session=True,
+            env=env,
+            cwd=ROOT,
+        )
+        os.close(slave)
+        self.master = master
+        self.seen = b""
+        self._pos = 0
+
+    def type(self, data: bytes) -> None:
+        os.write(self.master, data)
+
+    def expect(self, pattern: bytes, timeout: float = TIMEOUT) -> re.Match[bytes]:
+        """Wait for ``pattern`` in the output after the previous match."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while not (match := regex.search(self.seen, self._pos)):
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {pattern!r} in {self.seen[self._pos :]!r}"
+            if select.select([self.master], [], [], left)[0]:
+                try:
+                    chunk = os.read(self.master, 4096)
+                except OSError:  # EIO: the child closed the terminal
+                    chunk = b""
+                assert chunk, f"terminal closed before {pattern!r}: {self.seen[self._pos :]!r}"
+                self.seen += chunk
+        self._pos = match.end()
+        return match
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(TIMEOUT)
+        os.close(self.master)
+
+
+# Echo of the typed line, then (terminal control codes and spaces aside) the first answer text.
+_ANSWER_STARTS = rb"(?:\x1b\[[0-9;?]*[A-Za-z]|\s)*[^\s\x1b>]"
+
+
+def test_terminal_chat_ctrl_c_stops_the_answer_and_goes_on(threaded: GatewayThread) -> None:
+    env = subprocess_env(threaded.ws_url)
+    term = Terminal([threaded.ws_url], env)
+    try:
+        term.expect(rb"connected")
+        term.expect(rb"> ")
+        term.type(b"Tell me a long story\r")
+        term.expect(rb"long story" + _ANSWER_STARTS)
+        term.type(b"\x03")  # Ctrl-C while the answer streams
+        term.expect(re.escape(cli.STOPPED.encode()))
+        threaded.wait_no_running()  # stopped on the gateway, not only on the screen
+        term.expect(rb"> ")
+        assert term.proc.poll() is None  # still running
+
+        term.type(b"/system Be brief.\r")
+        term.expect(rb"\(instructions set\)")
+        term.type(b"/reset\r")
+        term.expect(rb"\(new conversation\)")
+        term.type(b"And another one\r")
+        term.expect(rb"another one" + _ANSWER_STARTS)
+        term.type(b"\x03")
+        term.expect(re.escape(cli.STOPPED.encode()))
+        term.expect(rb"> ")
+        term.type(b"\x04")  # Ctrl-D exits
+        assert term.proc.wait(TIMEOUT) == 0
+    finally:
+        term.close()
