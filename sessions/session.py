@@ -169,6 +169,16 @@ class Session:
             self._client_event(item)
         except p.ProtocolError as err:
             self._error(err)
+        except Exception:  # a bug must cost one event, not the connection
+            log.exception("session %s failed to handle %r", self.id, item)
+            self._error(
+                p.ProtocolError(
+                    "internal_error",
+                    "The gateway failed to handle this event.",
+                    event_id=getattr(item, "event_id", None),
+                    error_type="server_error",
+                )
+            )
 
     def _client_event(self, event: p.ClientEvent) -> None:
         match event:
