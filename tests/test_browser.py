@@ -1,0 +1,269 @@
+"""The chat page, driven in a real headless Chromium against the gateway on the sim engine.
+
+What a person at the page would notice: the answer grows while it streams, Stop freezes it,
+turns build one conversation on the server, New conversation really starts over, a restarted
+gateway is found again without a reload, and a server that wants a key gets one.
+
+Chromium comes from the system package (``/usr/bin/chromium``; Playwright's own browser
+download is not used). Without it these tests skip, except under ``CI=true`` where they fail:
+a CI run that silently skipped the browser would prove nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import pytest
+
+try:
+    from playwright.async_api import Browser, Locator, Page, async_playwright, expect
+except ImportError:  # a test dependency; CI must have it, a bare checkout may not
+    if os.environ.get("CI") == "true":
+        raise
+    pytest.skip("playwright is not installed (pip install -e '.[test]')", allow_module_level=True)
+
+from gateway.engines.sim import SimEngine
+from tests.harness import running_gateway
+
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+WAIT_MS = 10_000  # upper bound for any one awaited condition; they normally take milliseconds
+
+expect.set_options(timeout=WAIT_MS)
+
+
+def _chromium_or_skip() -> str:
+    if os.path.exists(CHROMIUM) or shutil.which(CHROMIUM):
+        return CHROMIUM
+    reason = (
+        f"Chromium not found at {CHROMIUM}: install the system package (apt-get install chromium) "
+        "or point CHROMIUM at a Chromium binary"
+    )
+    if os.environ.get("CI") == "true":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Browser]:
+    executable = _chromium_or_skip()
+    # Chromium refuses to run its sandbox as root (containers, CI runners).
+    args = ["--no-sandbox"] if os.geteuid() == 0 else []
+    async with async_playwright() as pw:
+        b = await pw.chromium.launch(executable_path=executable, headless=True, args=args)
+        try:
+            yield b
+        finally:
+            await b.close()
+
+
+@asynccontextmanager
+async def chat_page(browser: Browser, http_url: str) -> AsyncIterator[Page]:
+    """A fresh page (own sessionStorage) on the gateway; page errors fail the test."""
+    context = await browser.new_context()
+    page = await context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        await page.goto(http_url + "/")
+        yield page
+    finally:
+        await context.close()
+    assert not errors, f"JavaScript errors on the page: {errors}"
+
+
+async def wait_connected(page: Page) -> None:
+    await expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "connected")
+
+
+async def send(page: Page, text: str) -> None:
+    """Type a message and press Enter, as a person would."""
+    await expect(page.get_by_test_id("send")).to_be_disabled()  # nothing typed yet
+    await page.get_by_test_id("prompt").fill(text)
+    await expect(page.get_by_test_id("send")).to_be_enabled()
+    await page.get_by_test_id("prompt").press("Enter")
+
+
+def answer(page: Page, index: int) -> Locator:
+    return page.get_by_test_id("assistant-message").nth(index)
+
+
+def status(page: Page, index: int) -> Locator:
+    return page.get_by_test_id("status").nth(index)
+
+
+async def wait_growth(page: Page, index: int, longer_than: int) -> int:
+    """Wait until answer ``index`` is longer than ``longer_than`` while still streaming."""
+    handle = await page.wait_for_function(
+        """([index, shorter]) => {
+            const text = document.querySelectorAll('[data-testid=assistant-message]')[index];
+            const st = document.querySelectorAll('[data-testid=status]')[index];
+            const n = text ? text.textContent.length : 0;
+            return st && st.dataset.status === 'streaming' && n > shorter ? n : false;
+        }""",
+        arg=[index, longer_than],
+        timeout=WAIT_MS,
+    )
+    length: int = await handle.json_value()
+    return length
+
+
+async def tokens(page: Page, index: int, kind: str) -> int:
+    """Usage the page recorded from response.done: ``kind`` is "input" or "output"."""
+    value = await page.locator("article.assistant").nth(index).get_attribute(f"data-{kind}-tokens")
+    assert value is not None, "the page did not record the answer's usage"
+    return int(value)
+
+
+async def test_answer_streams_in_and_shows_its_speed(browser: Browser) -> None:
+    async with (
+        running_gateway(SimEngine(step_ms=25, response_tokens=80)) as gw,
+        chat_page(browser, gw.http_url) as page,
+    ):
+        await wait_connected(page)
+        await send(page, "Tell me about streaming.")
+        await expect(page.get_by_test_id("user-message")).to_have_text("Tell me about streaming.")
+
+        seen = [await wait_growth(page, 0, 0)]
+        for _ in range(3):
+            seen.append(await wait_growth(page, 0, seen[-1]))
+        await expect(page.get_by_test_id("stop")).to_be_enabled()
+
+        await expect(status(page, 0)).to_have_attribute("data-status", "completed")
+        final = await answer(page, 0).text_content()
+        assert final is not None and len(final) > seen[-1]
+        assert seen == sorted(set(seen)), f"the answer did not grow step by step: {seen}"
+        await expect(status(page, 0)).to_have_text(
+            re.compile(r"^Completed · first token \d+ ms · [\d.]+ tokens/s · \d+ tokens$")
+        )
+        await expect(page.get_by_test_id("stop")).to_be_disabled()
+
+
+async def test_stop_freezes_the_answer_and_the_next_turn_works(browser: Browser) -> None:
+    async with (
+        running_gateway(SimEngine(step_ms=20, response_tokens=2000)) as gw,
+        chat_page(browser, gw.http_url) as page,
+    ):
+        await wait_connected(page)
+        await expect(page.get_by_test_id("stop")).to_be_disabled()
+        await send(page, "Write a very long story.")
+        await wait_growth(page, 0, 20)
+        await page.get_by_test_id("stop").click()
+
+        await expect(status(page, 0)).to_have_attribute("data-status", "stopped")
+        await expect(status(page, 0)).to_contain_text("Stopped")
+        await expect(page.get_by_test_id("stop")).to_be_disabled()
+        frozen = await answer(page, 0).text_content()
+        stopped_tokens = await tokens(page, 0, "output")
+        assert stopped_tokens < 2000
+
+        # The next turn, cut short by the max tokens field so it ends on its own.
+        await page.get_by_test_id("max-tokens").fill("12")
+        await send(page, "Now a short one.")
+        await expect(status(page, 1)).to_have_attribute("data-status", "length")
+        await expect(status(page, 1)).to_contain_text("Cut at the token limit")
+        assert await tokens(page, 1, "output") == 12
+        # All that time the stopped answer stayed exactly as it was when Stop was pressed.
+        assert await answer(page, 0).text_content() == frozen
+        health = await gw.get_json("/healthz")
+        assert health["responses"] == {"running": 0, "queued": 0}
+
+
+async def test_turns_continue_one_conversation_until_new_conversation(browser: Browser) -> None:
+    async with (
+        running_gateway(SimEngine(step_ms=5, response_tokens=15)) as gw,
+        chat_page(browser, gw.http_url) as page,
+    ):
+        await wait_connected(page)
+        await page.get_by_test_id("instructions").fill("You answer in one sentence.")
+        await send(page, "Hello there.")
+        await expect(status(page, 0)).to_have_attribute("data-status", "completed")
+        await send(page, "And then?")
+        await expect(status(page, 1)).to_have_attribute("data-status", "completed")
+
+        # The second prompt holds the first turn: both messages and the first answer.
+        first_in, first_out = await tokens(page, 0, "input"), await tokens(page, 0, "output")
+        second_in = await tokens(page, 1, "input")
+        assert second_in > first_in + first_out
+        # The sim's answer is a function of the whole prompt, so it differs turn to turn.
+        assert await answer(page, 0).text_content() != await answer(page, 1).text_content()
+
+        await page.get_by_test_id("new-conversation").click()
+        await expect(page.get_by_test_id("user-message")).to_have_count(0)
+        await wait_connected(page)
+        await send(page, "Hello there.")
+        await expect(status(page, 0)).to_have_attribute("data-status", "completed")
+        # A fresh server conversation: the same first message costs what it cost the first time.
+        assert await tokens(page, 0, "input") == first_in
+
+
+async def test_page_reconnects_after_the_gateway_restarts(browser: Browser) -> None:
+    async with AsyncExitStack() as stack:
+        async with running_gateway(SimEngine(step_ms=5, response_tokens=10)) as gw:
+            port = gw.gateway.port
+            page = await stack.enter_async_context(chat_page(browser, gw.http_url))
+            await wait_connected(page)
+            await send(page, "Remember me.")
+            await expect(status(page, 0)).to_have_attribute("data-status", "completed")
+            first_in = await tokens(page, 0, "input")
+
+        # The gateway is gone from under the page, which keeps trying and says so.
+        await expect(page.get_by_test_id("connection")).to_have_attribute(
+            "data-state", "reconnecting"
+        )
+        await expect(page.get_by_test_id("connection")).to_contain_text("reconnecting")
+
+        async with running_gateway(SimEngine(step_ms=5, response_tokens=10), port=port):
+            await wait_connected(page)
+            await expect(page.get_by_test_id("note")).to_contain_text("restored")
+            await send(page, "Still there?")
+            await expect(status(page, 1)).to_have_attribute("data-status", "completed")
+            # The page gave the new server session the earlier turn again.
+            assert await tokens(page, 1, "input") > first_in
+
+
+async def test_page_asks_for_the_api_key_and_keeps_it_in_the_tab(browser: Browser) -> None:
+    async with (
+        running_gateway(SimEngine(step_ms=5, response_tokens=8), api_key="s3cret") as gw,
+        chat_page(browser, gw.http_url) as page,
+    ):
+        await expect(page.get_by_test_id("error")).to_contain_text("API key")
+        await expect(page.get_by_test_id("connection")).not_to_have_attribute(
+            "data-state", "connected"
+        )
+        key = page.get_by_test_id("api-key")
+        await key.fill("s3cret")
+        await key.press("Enter")
+        await wait_connected(page)
+        await expect(page.get_by_test_id("error")).to_be_hidden()
+        assert await page.evaluate("sessionStorage.getItem('gateway.apiKey')") == "s3cret"
+        await send(page, "Let me in.")
+        await expect(status(page, 0)).to_have_attribute("data-status", "completed")
+
+        await page.reload()  # same tab: the key is still there, no question asked
+        await wait_connected(page)
+
+
+async def test_text_is_shown_as_text_and_errors_are_shown(browser: Browser) -> None:
+    async with (
+        running_gateway(SimEngine(step_ms=5, response_tokens=30, fail_after=3)) as gw,
+        chat_page(browser, gw.http_url) as page,
+    ):
+        await wait_connected(page)
+        await page.get_by_test_id("max-tokens").fill("2000000")  # over the server's limit
+        markup = '<img src=x onerror="window.pwned=1"><b>bold</b>'
+        await send(page, markup)
+        # The server's error event for the refused session.update is on screen.
+        await expect(page.get_by_test_id("error")).to_be_visible()
+        await expect(page.get_by_test_id("error")).to_contain_text("max_output_tokens")
+        await expect(page.get_by_test_id("user-message")).to_have_text(markup)
+        assert await page.get_by_test_id("user-message").locator("b, img").count() == 0
+        await expect(status(page, 0)).to_have_attribute("data-status", "failed")
+        await expect(status(page, 0)).to_contain_text("simulated engine failure")
+        assert await page.evaluate("window.pwned") is None
+        await expect(page.get_by_test_id("send")).to_be_disabled()  # until something is typed
+        await page.get_by_test_id("prompt").fill("again")
+        await expect(page.get_by_test_id("send")).to_be_enabled()
