@@ -2,11 +2,29 @@
 
 A registry per instance (not the global default) lets several gateways run in
 one process, as the tests do, without their counts mixing.
+
+The counters, gauges and histograms here are plain numbers, not
+``prometheus_client``'s metric objects: those take a lock on every update, and
+the gateway updates a few of them for every token and every frame (a few
+percent of its CPU under load, see docs/performance.md). Every update runs on
+the event loop thread, so no lock is needed; ``prometheus_client`` still
+renders the exposition text, from :meth:`_Collector.collect` at scrape time,
+which runs on the same thread.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import math
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -28,91 +46,198 @@ _LATENCY_BUCKETS = (
 )
 _GAP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0)
 
+LabelValues = tuple[str, ...]
+
+
+class _Value:
+    """One number with the update methods of a counter or gauge."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.value -= amount
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+
+    def get(self) -> float:
+        return self.value
+
+    @property
+    def _value(self) -> _Value:
+        """``prometheus_client``'s spelling, ``metric._value.get()``, which tests use."""
+        return self
+
+
+class _Family:
+    """A counter or gauge, or (with label names) one per combination of label values."""
+
+    def __init__(self, kind: str, name: str, doc: str, labelnames: Sequence[str] = ()) -> None:
+        self.kind = kind
+        self.name = name
+        self.doc = doc
+        self.labelnames = tuple(labelnames)
+        self._children: dict[LabelValues, _Value] = {}
+        self._value = _Value()
+        if not self.labelnames:
+            self._children[()] = self._value
+
+    def labels(self, **labels: str) -> _Value:
+        key = tuple(labels[n] for n in self.labelnames)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = _Value()
+        return child
+
+    # Unlabelled use: the family is its own only child.
+    def inc(self, amount: float = 1.0) -> None:
+        self._value.value += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        self._value.value -= amount
+
+    def set(self, value: float) -> None:
+        self._value.value = float(value)
+
+    @property
+    def value(self) -> float:
+        return self._value.value
+
+    def collect(self) -> Metric:
+        family: Metric
+        if self.kind == "counter":
+            family = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
+        else:
+            family = GaugeMetricFamily(self.name, self.doc, labels=self.labelnames)
+        for key, child in self._children.items():
+            family.add_metric(list(key), child.value)
+        return family
+
+
+class _Histogram:
+    """Counts per bucket (``le`` is inclusive, as Prometheus defines it) and a sum."""
+
+    def __init__(self, name: str, doc: str, buckets: Sequence[float]) -> None:
+        self.name = name
+        self.doc = doc
+        self.bounds = tuple(sorted(buckets))
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        self.counts[bisect_left(self.bounds, amount)] += 1
+        self.sum += amount
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def collect(self) -> Metric:
+        cumulative, running = [], 0
+        for bound, n in zip((*self.bounds, math.inf), self.counts, strict=True):
+            running += n
+            cumulative.append((_bound(bound), running))
+        return HistogramMetricFamily(self.name, self.doc, buckets=cumulative, sum_value=self.sum)
+
+
+def _bound(bound: float) -> str:
+    return "+Inf" if bound == math.inf else repr(float(bound))
+
+
+class _Collector:
+    def __init__(self, metrics: list[_Family | _Histogram]) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._metrics:
+            yield metric.collect()
+
 
 class Metrics:
     def __init__(self, worker: str = "0") -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        labels = {"worker": worker}
-        self.info = Gauge(
-            "gateway_info", "Gateway worker; value 1.", ["worker", "engine"], registry=r
+        self._worker = worker
+        self._all: list[_Family | _Histogram] = []
+        self.info = self._gauge("gateway_info", "Gateway worker; value 1.", ["worker", "engine"])
+        self.sessions = self._gauge("gateway_sessions", "Sessions connected now.")
+        self.sessions_total = self._counter(
+            "gateway_sessions_opened_total", "Sessions opened since start."
         )
-        self.sessions = Gauge("gateway_sessions", "Sessions connected now.", registry=r)
-        self.sessions_total = Counter(
-            "gateway_sessions_opened_total", "Sessions opened since start.", registry=r
+        self.running = self._gauge("gateway_responses_running", "Responses in the engine now.")
+        self.queued = self._gauge("gateway_responses_queued", "Responses waiting for a slot.")
+        self.finished = self._counter(
+            "gateway_responses_finished_total", "Responses ended, by status.", ["status"]
         )
-        self.running = Gauge(
-            "gateway_responses_running", "Responses in the engine now.", registry=r
+        self.refused = self._counter(
+            "gateway_responses_refused_total", "Requests refused, by reason.", ["reason"]
         )
-        self.queued = Gauge("gateway_responses_queued", "Responses waiting for a slot.", registry=r)
-        self.finished = Counter(
-            "gateway_responses_finished_total",
-            "Responses ended, by status.",
-            ["status"],
-            registry=r,
-        )
-        self.refused = Counter(
-            "gateway_responses_refused_total",
-            "Requests refused, by reason.",
-            ["reason"],
-            registry=r,
-        )
-        self.connections_refused = Counter(
+        self.connections_refused = self._counter(
             "gateway_connections_refused_total",
             "WebSocket handshakes refused, by HTTP status.",
             ["status"],
-            registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = self._histogram(
             "gateway_time_to_first_token_seconds",
             "From response.create admitted to the first delta.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
-        self.inter_token = Histogram(
-            "gateway_inter_token_seconds",
-            "Gap between deltas from the engine.",
-            buckets=_GAP_BUCKETS,
-            registry=r,
+        self.inter_token = self._histogram(
+            "gateway_inter_token_seconds", "Gap between deltas from the engine.", _GAP_BUCKETS
         )
-        self.e2e = Histogram(
+        self.e2e = self._histogram(
             "gateway_response_duration_seconds",
             "From response.create to its end.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = self._histogram(
             "gateway_queue_wait_seconds",
             "Time a response waited for an engine slot.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
-        self.cancel_latency = Histogram(
+        self.cancel_latency = self._histogram(
             "gateway_cancel_to_done_seconds",
             "From a cancel to the end of the response.",
-            buckets=_GAP_BUCKETS,
-            registry=r,
+            _GAP_BUCKETS,
         )
-        self.deltas = Counter(
-            "gateway_deltas_total", "Text deltas produced by the engine.", registry=r
+        self.deltas = self._counter("gateway_deltas_total", "Text deltas produced by the engine.")
+        self.output_tokens = self._counter(
+            "gateway_output_tokens_total", "Tokens generated for responses."
         )
-        self.output_tokens = Counter(
-            "gateway_output_tokens_total", "Tokens generated for responses.", registry=r
-        )
-        self.frames = Counter("gateway_frames_sent_total", "WebSocket frames sent.", registry=r)
-        self.delta_frames = Counter(
+        self.frames = self._counter("gateway_frames_sent_total", "WebSocket frames sent.")
+        self.delta_frames = self._counter(
             "gateway_delta_frames_sent_total",
             "Frames carrying text deltas (fewer than deltas when coalescing).",
-            registry=r,
         )
-        self.bytes_out = Counter("gateway_bytes_sent_total", "Payload bytes sent.", registry=r)
-        self.errors = Counter(
-            "gateway_error_events_total", "Error events sent, by code.", ["code"], registry=r
+        self.bytes_out = self._counter("gateway_bytes_sent_total", "Payload bytes sent.")
+        self.errors = self._counter(
+            "gateway_error_events_total", "Error events sent, by code.", ["code"]
         )
-        self._labels = labels
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self._all))
+
+    def _counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> _Family:
+        family = _Family("counter", name, doc, labels)
+        self._all.append(family)
+        return family
+
+    def _gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> _Family:
+        family = _Family("gauge", name, doc, labels)
+        self._all.append(family)
+        return family
+
+    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> _Histogram:
+        histogram = _Histogram(name, doc, buckets)
+        self._all.append(histogram)
+        return histogram
 
     def set_engine(self, engine: str) -> None:
-        self.info.labels(worker=self._labels["worker"], engine=engine).set(1)
+        self.info.labels(worker=self._worker, engine=engine).set(1)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        text: bytes = generate_latest(self.registry)
+        return text

@@ -131,7 +131,11 @@ class RawClient:
         await self.send(
             {
                 "type": "conversation.item.create",
-                "item": {"type": "message", "role": role, "content": [{"type": part, "text": text}]},
+                "item": {
+                    "type": "message",
+                    "role": role,
+                    "content": [{"type": part, "text": text}],
+                },
             }
         )
         return await self.recv_until("conversation.item.done")

@@ -97,25 +97,25 @@ async def test_abrupt_disconnect_frees_everything() -> None:
 
 
 async def test_overload_is_refused_with_an_error_naming_the_request() -> None:
-    async with running_gateway(
-        SimEngine(step_ms=20, response_tokens=50), max_running=1, max_queued=1
-    ) as gw:
-        async with (
-            RawClient.connect(gw.ws_url) as a,
-            RawClient.connect(gw.ws_url) as b,
-            RawClient.connect(gw.ws_url) as c,
-        ):
-            await a.send({"type": "response.create"})
-            await a.recv_until("response.created")
-            await b.send({"type": "response.create"})
-            await b.recv_until("response.created")
-            await c.send({"type": "response.create", "event_id": "mine"})
-            error = await c.recv()
-            assert error["type"] == "error"
-            assert (error["error"]["code"], error["error"]["event_id"]) == ("overloaded", "mine")
-            await a.send({"type": "response.cancel"})
-            await a.recv_until("response.done")
-            assert (await b.recv_until("response.done"))["response"]["status"] == "completed"
+    async with (
+        running_gateway(
+            SimEngine(step_ms=20, response_tokens=50), max_running=1, max_queued=1
+        ) as gw,
+        RawClient.connect(gw.ws_url) as a,
+        RawClient.connect(gw.ws_url) as b,
+        RawClient.connect(gw.ws_url) as c,
+    ):
+        await a.send({"type": "response.create"})
+        await a.recv_until("response.created")
+        await b.send({"type": "response.create"})
+        await b.recv_until("response.created")
+        await c.send({"type": "response.create", "event_id": "mine"})
+        error = await c.recv()
+        assert error["type"] == "error"
+        assert (error["error"]["code"], error["error"]["event_id"]) == ("overloaded", "mine")
+        await a.send({"type": "response.cancel"})
+        await a.recv_until("response.done")
+        assert (await b.recv_until("response.done"))["response"]["status"] == "completed"
 
 
 async def test_a_batch_does_not_starve_another_session() -> None:
@@ -242,13 +242,15 @@ def test_random_events_never_break_the_connection(
 
 
 async def test_a_frame_over_the_limit_closes_with_1009() -> None:
-    async with running_gateway(SimEngine(step_ms=0), max_message_bytes=1000) as gw:
-        async with RawClient.connect(gw.ws_url) as c:
-            await c.say("x" * 10)
-            await c.ws.send(json.dumps({"type": "bogus", "pad": "x" * 2000}))
-            with pytest.raises(ConnectionClosed):
-                await c.recv()
-            assert c.ws.close_code == 1009
+    async with (
+        running_gateway(SimEngine(step_ms=0), max_message_bytes=1000) as gw,
+        RawClient.connect(gw.ws_url) as c,
+    ):
+        await c.say("x" * 10)
+        await c.ws.send(json.dumps({"type": "bogus", "pad": "x" * 2000}))
+        with pytest.raises(ConnectionClosed):
+            await c.recv()
+        assert c.ws.close_code == 1009
 
 
 async def test_origin_key_and_session_limits() -> None:

@@ -126,12 +126,14 @@ def test_out_of_band_response_with_its_own_input() -> None:
         ('{"type": "session.update", "session": []}', "invalid_type", "session"),
         ('{"type": "conversation.item.create"}', "missing_required_parameter", "item"),
         (
-            '{"type": "conversation.item.create", "item": {"type": "message", "role": "robot", "content": []}}',
+            '{"type": "conversation.item.create",'
+            ' "item": {"type": "message", "role": "robot", "content": []}}',
             "invalid_value",
             "item.role",
         ),
         (
-            '{"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": []}}',
+            '{"type": "conversation.item.create",'
+            ' "item": {"type": "message", "role": "user", "content": []}}',
             "invalid_type",
             "item.content",
         ),

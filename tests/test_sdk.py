@@ -51,7 +51,7 @@ async def test_sdk_multi_turn_and_cancel() -> None:
 
             await conn.conversation.item.create(item=user("Tell me more."))
             await conn.response.create()
-            second, done = await collect(conn)
+            _, done = await collect(conn)
             assert (
                 done.response.usage.input_tokens > first_input + done.response.usage.output_tokens
             )
@@ -61,7 +61,7 @@ async def test_sdk_multi_turn_and_cancel() -> None:
                 if event.type == "response.output_text.delta":
                     break
             await conn.response.cancel()
-            partial, done = await collect(conn)
+            _, done = await collect(conn)
             assert done.response.status == "cancelled"
             assert done.response.status_details.reason == "client_cancelled"
 

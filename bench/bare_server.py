@@ -1,0 +1,183 @@
+"""The ceiling baseline: a bare ``websockets`` server pushing the gateway's frames.
+
+No gateway logic at all: no session actor, no scheduler, no engine, no outbox,
+no metrics. It answers the load generator's turns with the same event sequence
+and the same JSON delta events (the same fields, the SimEngine's own words, so
+the same sizes), one delta frame per token, at the same step rate as the sim
+engine (one shared step clock; ``--step-ms 0`` sends as fast as it can). What it
+reaches is the most a Python websockets server on this machine can send, and the
+latency it adds is what the socket layer alone costs.
+
+Run: ``python -m bench.bare_server --port 8800 --step-ms 20 --response-tokens 64``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import signal
+from typing import Any
+
+import orjson
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.http11 import Request, Response
+
+from bench.loadgen import raise_nofile
+from gateway.engines.sim import answer_tokens
+
+_ids = itertools.count(1)
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_bare00{next(_ids):x}"
+
+
+def _frame(kind: str, **fields: Any) -> bytes:
+    return orjson.dumps({"type": kind, "event_id": _id("event"), **fields})
+
+
+class Ticker:
+    """One step clock for every stream, like the engine's step loop."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self._next: asyncio.Future[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def wait(self) -> None:
+        if self.step_s <= 0:
+            await asyncio.sleep(0)
+            return
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        await asyncio.shield(self._next)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.step_s)
+            due, self._next = self._next, None
+            if due is not None:
+                due.set_result(None)
+
+
+def _item(item_id: str, role: str, text: str, status: str) -> dict[str, Any]:
+    part = "input_text" if role == "user" else "output_text"
+    return {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "message",
+        "status": status,
+        "role": role,
+        "content": [{"type": part, "text": text}],
+    }
+
+
+def _response(rid: str, status: str, output: list[Any], usage: Any) -> dict[str, Any]:
+    return {
+        "object": "realtime.response",
+        "id": rid,
+        "status": status,
+        "status_details": {"type": status} if status == "completed" else None,
+        "output": output,
+        "conversation_id": "conv_bare",
+        "output_modalities": ["text"],
+        "max_output_tokens": "inf",
+        "metadata": None,
+        "usage": usage,
+    }
+
+
+class BareServer:
+    def __init__(self, step_ms: float, response_tokens: int) -> None:
+        self.ticker = Ticker(step_ms / 1000)
+        self.response_tokens = response_tokens
+        self.turns = 0
+
+    async def handle(self, ws: ServerConnection) -> None:
+        await ws.send(
+            _frame("session.created", session={"id": _id("sess"), "type": "realtime"}), text=True
+        )
+        prompt, task = "", None
+        try:
+            async for message in ws:
+                event = orjson.loads(message)
+                kind = event["type"]
+                if kind == "conversation.item.create":
+                    prompt = event["item"]["content"][0]["text"]
+                    item = _item(_id("item"), "user", prompt, "completed")
+                    for k in ("conversation.item.added", "conversation.item.done"):
+                        await ws.send(_frame(k, previous_item_id=None, item=item), text=True)
+                elif kind == "response.create":
+                    self.turns += 1
+                    task = asyncio.create_task(self.respond(ws, f"{prompt}{self.turns}"))
+                elif kind == "response.cancel" and task is not None:
+                    task.cancel()
+        finally:
+            if task is not None:
+                task.cancel()
+
+    async def respond(self, ws: ServerConnection, prompt: str) -> None:
+        rid, item_id = _id("resp"), _id("item")
+        ids = {"response_id": rid, "item_id": item_id, "output_index": 0, "content_index": 0}
+        await ws.send(_frame("response.created", response=_response(rid, "in_progress", [], None)))
+        added = _item(item_id, "assistant", "", "in_progress")
+        await ws.send(_frame("response.output_item.added", response_id=rid, item=added))
+        await ws.send(_frame("response.content_part.added", **ids, part={"type": "text"}))
+        sent: list[str] = []
+        status = "completed"
+        try:
+            for token in answer_tokens(prompt, self.response_tokens):
+                await self.ticker.wait()
+                await ws.send(_frame("response.output_text.delta", **ids, delta=token), text=True)
+                sent.append(token)
+        except asyncio.CancelledError:
+            status = "cancelled"
+        text = "".join(sent)
+        usage = {"input_tokens": 10, "output_tokens": len(sent), "total_tokens": 10 + len(sent)}
+        item = _item(item_id, "assistant", text, "completed")
+        for frame in (
+            _frame("response.output_text.done", **ids, text=text),
+            _frame("response.content_part.done", **ids, part={"type": "text", "text": text}),
+            _frame("response.output_item.done", response_id=rid, output_index=0, item=item),
+            _frame("response.done", response=_response(rid, status, [item], usage)),
+        ):
+            await ws.send(frame, text=True)
+
+
+def _http(connection: ServerConnection, request: Request) -> Response | None:
+    if "websocket" in request.headers.get("Upgrade", "").lower():
+        return None
+    body = b'{"ready": true}'
+    headers = Headers({"Content-Type": "application/json", "Content-Length": str(len(body))})
+    return Response(200, "OK", headers, body)
+
+
+async def main(args: argparse.Namespace) -> None:
+    bare = BareServer(args.step_ms, args.response_tokens)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with serve(
+        bare.handle,
+        "127.0.0.1",
+        args.port,
+        process_request=_http,
+        compression=None,
+        max_size=1 << 20,
+        close_timeout=2,
+    ):
+        await stop.wait()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=8800)
+    parser.add_argument("--step-ms", type=float, default=20.0)
+    parser.add_argument("--response-tokens", type=int, default=64)
+    raise_nofile()
+    asyncio.run(main(parser.parse_args()))

@@ -1,0 +1,148 @@
+"""The measured servers as subprocesses of their own, and what /proc says about them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+_TICK = os.sysconf("SC_CLK_TCK")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of ``pid`` so far (fields 14 and 15 of /proc/PID/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_bytes()
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` now (/proc/PID/statm, second field)."""
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
+
+
+@dataclass
+class Server:
+    pid: int
+    port: int
+    log: Path
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/realtime"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get(self, path: str) -> bytes:
+        with urllib.request.urlopen(self.http_url + path, timeout=10) as r:
+            body: bytes = r.read()
+            return body
+
+
+def free_port() -> int:
+    """A loopback port free right now (the server binds it a moment later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextmanager
+def server_process(argv: Sequence[str], *, timeout: float = 30.0) -> Iterator[Server]:
+    """Run ``argv`` + ``--port PORT`` until ``/readyz`` answers; stop it with SIGTERM."""
+    with tempfile.NamedTemporaryFile(prefix="bench-", suffix=".log", delete=False) as f:
+        log = Path(f.name)
+    port = free_port()
+    with log.open("wb") as out:
+        proc = subprocess.Popen([*argv, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        server = Server(proc.pid, port, log)
+        _wait_ready(proc, server, timeout)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.unlink(missing_ok=True)
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], server: Server, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = server.log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"server exited with {proc.returncode}: {tail}")
+        try:
+            server.get("/readyz")
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError("server did not become ready in time")
+
+
+def gateway_argv(
+    *,
+    step_ms: float,
+    max_batch: int,
+    response_tokens: int,
+    coalesce: bool = True,
+    module: str = "gateway",
+    extra: Sequence[str] = (),
+    profile_to: Path | None = None,
+) -> list[str]:
+    """``python -m gateway --engine sim ...`` (under cProfile when ``profile_to`` is given).
+
+    ``module="bench.wallclock"`` runs the same gateway with the wall-clock sim engine.
+    """
+    prefix = [sys.executable]
+    if profile_to is not None:
+        prefix += ["-m", "cProfile", "-o", str(profile_to)]
+    argv = [
+        *prefix,
+        "-m",
+        module,
+        "--engine",
+        "sim",
+        "--log-level",
+        "WARNING",
+        "--sim-step-ms",
+        str(step_ms),
+        "--sim-max-batch",
+        str(max_batch),
+        "--sim-response-tokens",
+        str(response_tokens),
+        "--max-queued",
+        "100000",
+        *extra,
+    ]
+    if not coalesce:
+        argv.append("--no-coalesce")
+    return argv
+
+
+def bare_server_argv(*, step_ms: float, response_tokens: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "bench.bare_server",
+        "--step-ms",
+        str(step_ms),
+        "--response-tokens",
+        str(response_tokens),
+    ]
