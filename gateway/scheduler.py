@@ -58,7 +58,7 @@ class Job:
     state: Literal["new", "queued", "running", "done"] = "new"
     parts: list[str] = field(default_factory=list)
     output_tokens: int = 0
-    task: asyncio.Task[Outcome] | None = None
+    task: asyncio.Task[None] | None = None
     cancel_reason: CancelReason | None = None
     submitted_at: float = 0.0
     started_at: float = 0.0
@@ -169,23 +169,30 @@ class Scheduler:
         job.task = asyncio.get_running_loop().create_task(
             self._consume(job), name=f"job-{job.request.request_id}"
         )
-        # A done callback, not a ``finally``: a task cancelled before its first step
-        # never runs its body, and the job must still end exactly once.
-        job.task.add_done_callback(lambda task: self._on_task_done(job, task))
+        # A task cancelled before its first step never runs its body: the done
+        # callback ends such a job, so every job still ends exactly once.
+        job.task.add_done_callback(lambda _: self._end_unstarted(job))
 
-    async def _consume(self, job: Job) -> Outcome:
+    async def _consume(self, job: Job) -> None:
         try:
-            return await self._stream(job)
+            outcome = await self._stream(job)
+        except asyncio.CancelledError:
+            # Our own cancel (response.cancel, disconnect, shutdown): the engine
+            # stream was closed on the way out, which aborted the generation.
+            self._end(job, self._partial(job, "cancelled"))
+            raise
         except EngineError as exc:
-            return self._partial(job, "failed", exc)
+            outcome = self._partial(job, "failed", exc)
         except Exception as exc:  # an engine bug must not take the gateway down
             log.exception("engine stream for %s crashed", job.request.request_id)
-            return self._partial(job, "failed", EngineError("engine_error", str(exc)))
+            outcome = self._partial(job, "failed", EngineError("engine_error", str(exc)))
+        self._end(job, outcome)
 
-    def _on_task_done(self, job: Job, task: asyncio.Task[Outcome]) -> None:
-        # Cancelled means our own cancel (response.cancel, disconnect, shutdown): the
-        # engine stream was closed on the way out, which aborted the generation.
-        outcome = self._partial(job, "cancelled") if task.cancelled() else task.result()
+    def _end_unstarted(self, job: Job) -> None:
+        if job.state != "done":
+            self._end(job, self._partial(job, "cancelled"))
+
+    def _end(self, job: Job, outcome: Outcome) -> None:
         self._running.discard(job)
         self._running_by_session[job.session_key] -= 1
         self._forget_if_idle(job.session_key)

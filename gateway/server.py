@@ -240,6 +240,8 @@ class Gateway:
 
     async def _write(self, ws: ServerConnection, outbox: Outbox) -> None:
         metrics, stall = self.metrics, self.config.stall_timeout
+        transport = ws.transport
+        low_water, high_water = transport.get_write_buffer_limits()
         try:
             while True:
                 frame = await outbox.get()
@@ -247,9 +249,15 @@ class Gateway:
                     await _close(ws, frame.code, frame.reason)
                     return
                 data, is_delta = frame
+                buffered = transport.get_write_buffer_size()
                 try:
-                    async with asyncio.timeout(stall):
+                    if buffered <= low_water and buffered + len(data) + 16 < high_water:
+                        # Cannot block: writing is not paused and this frame will not
+                        # pause it. Skipping the timer here saves ~10% CPU under load.
                         await ws.send(data, text=True)
+                    else:
+                        async with asyncio.timeout(stall):
+                            await ws.send(data, text=True)
                 except TimeoutError:
                     log.info("closing a connection that read nothing for %.1fs", stall)
                     await _close(ws, 1008, "client stopped reading")

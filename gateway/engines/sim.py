@@ -2,7 +2,8 @@
 
 It behaves like the real thing where the gateway can tell: one step loop, one
 token per running stream per step, at most ``max_batch`` streams a step, the
-prompt counted from the whole rendered conversation, a deterministic answer
+prompt counted from the whole rendered conversation, steps on a fixed clock
+whatever the event loop is doing (as a GPU's are), a deterministic answer
 derived from the prompt (with Korean and emoji, so UTF-8 handling is
 exercised), ``max_output_tokens`` and ``stop`` honoured, and an aborted stream
 dropped at the next step boundary. Fault knobs make it fail or stall on demand.
@@ -70,6 +71,7 @@ _WORDS = (
 )
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
 _MESSAGE_OVERHEAD = 4  # like a chat template's role markers
+_MAX_CATCH_UP = 50  # missed steps run back to back after the event loop was away
 
 
 def count_tokens(messages: Sequence[Message]) -> int:
@@ -200,12 +202,23 @@ class SimEngine(Engine):
         return _Stream(deque(tokens), finish, count_tokens(messages))
 
     async def _step_loop(self) -> None:
+        # Steps fall due on a fixed clock, as on a GPU that computes whatever the
+        # event loop is doing: when the loop comes back late, the missed steps run
+        # at once (up to a cap), so several tokens per stream wait for the gateway,
+        # as they would with a real engine.
+        loop = asyncio.get_running_loop()
+        due = loop.time()
         while True:
             if not self._streams:
                 self._wake.clear()
                 await self._wake.wait()
-            self._step()
-            await asyncio.sleep(self.step_s)
+                due = loop.time()
+            late = loop.time() - due
+            steps = 1 + min(_MAX_CATCH_UP, int(late / self.step_s)) if self.step_s > 0 else 1
+            for _ in range(steps):
+                self._step()
+            due += steps * self.step_s
+            await asyncio.sleep(max(0.0, due - loop.time()))
 
     def _step(self) -> None:
         """One engine iteration: drop aborted streams, one token for each of the batch."""
