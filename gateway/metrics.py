@@ -66,14 +66,6 @@ class _Value:
     def set(self, value: float) -> None:
         self.value = float(value)
 
-    def get(self) -> float:
-        return self.value
-
-    @property
-    def _value(self) -> _Value:
-        """``prometheus_client``'s spelling, ``metric._value.get()``, which tests use."""
-        return self
-
 
 class _Family:
     """A counter or gauge, or (with label names) one per combination of label values."""

@@ -79,6 +79,8 @@ class Gateway:
         except Exception:
             log.exception("engine %s failed to start", self.engine.name)
             raise
+        if self.config.max_running is None:  # some engines learn their capacity at start
+            self.scheduler.max_running = self.engine.capacity
         log.info(
             "engine %s ready in %.2fs %s",
             self.engine.name,
@@ -173,7 +175,7 @@ class Gateway:
         if limit is not None and len(self.sessions) >= limit:
             return http.text_response(503, f"Too many sessions (limit {limit}); retry later.")
         if not self.engine.ready:
-            return http.text_response(503, "The engine is still loading; retry shortly.")
+            return http.text_response(503, "The engine is not ready (loading, or no replica is up); retry shortly.")
         return None
 
     def _authorized(self, request: Request) -> bool:

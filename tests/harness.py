@@ -90,7 +90,7 @@ class Turn:
     @property
     def final_text(self) -> str:
         """The text of ``response.output_text.done``."""
-        return next(e["text"] for e in self.events if e["type"] == "response.output_text.done")
+        return str(next(e["text"] for e in self.events if e["type"] == "response.output_text.done"))
 
 
 class RawClient:

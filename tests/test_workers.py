@@ -1,0 +1,122 @@
+"""``--workers N``: N gateway processes share one port (SO_REUSEPORT) and stop together."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+WORKERS = 2
+START_TIMEOUT = 20.0
+ATTEMPTS = 300  # short connections; the kernel spreads them by their source port
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def get(url: str) -> bytes | None:
+    """One GET on a fresh connection; None while nothing listens yet."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            body: bytes = response.read()
+            return body
+    except (urllib.error.URLError, ConnectionError):
+        return None
+
+
+@pytest.fixture
+def gateway_workers() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    port = free_port()
+    command = [sys.executable, "-m", "gateway", "--engine", "sim", "--log-level", "WARNING"]
+    process = subprocess.Popen(
+        [*command, "--workers", str(WORKERS), "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its own process group: a failed test can end all of it
+    )
+    try:
+        yield process, port
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)  # the parent and its workers
+            process.wait()
+        assert process.stderr is not None
+        process.stderr.close()
+
+
+def wait_until_serving(process: subprocess.Popen[bytes], base: str) -> None:
+    """Until some worker answers; skip if this build has no ``--workers`` yet."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while get(f"http://{base}/healthz") is None:
+        if process.poll() is not None:
+            assert process.stderr is not None
+            error = process.stderr.read().decode(errors="replace")
+            if process.returncode == 2 and "--workers" in error:
+                pytest.skip("this build does not accept --workers yet")
+            pytest.fail(f"the gateway exited with {process.returncode}: {error}")
+        assert time.monotonic() < deadline, "no worker answered /healthz"
+        time.sleep(0.05)
+
+
+def workers_in_health(base: str) -> set[str]:
+    """Worker ids from /healthz over many short connections, until all are seen."""
+    seen: set[str] = set()
+    for _ in range(ATTEMPTS):
+        body = get(f"http://{base}/healthz")
+        if body is not None:
+            seen.add(str(json.loads(body)["worker"]))
+        if len(seen) == WORKERS:
+            break
+    return seen
+
+
+def workers_in_metrics(base: str) -> set[str]:
+    """Worker ids from the ``gateway_info`` line of /metrics."""
+    seen: set[str] = set()
+    for _ in range(ATTEMPTS):
+        body = get(f"http://{base}/metrics") or b""
+        for line in body.decode().splitlines():
+            if line.startswith("gateway_info{"):
+                seen.add(line.split('worker="', 1)[1].split('"', 1)[0])
+        if len(seen) == WORKERS:
+            break
+    return seen
+
+
+def test_workers_share_the_port_and_stop_together(
+    gateway_workers: tuple[subprocess.Popen[bytes], int],
+) -> None:
+    process, port = gateway_workers
+    base = f"127.0.0.1:{port}"
+    wait_until_serving(process, base)
+    assert workers_in_health(base) == {str(i) for i in range(WORKERS)}
+    assert workers_in_metrics(base) == {str(i) for i in range(WORKERS)}
+
+    # A live session on one of them ends with "going away" when the group is stopped.
+    with connect(f"ws://{base}/v1/realtime", open_timeout=5) as ws:
+        assert json.loads(ws.recv(timeout=5))["type"] == "session.created"
+        stopped_at = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=5)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001
+
+    assert process.wait(timeout=10) == 0
+    assert time.monotonic() - stopped_at < 5
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        pass  # every worker is gone: nothing listens on the port any more
