@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="close clients that read nothing this long",
     )
+    add("--instructions", default=None, help="default instructions (default: the engine's)")
     add("--no-coalesce", action="store_true", help="send every delta as its own frame (benchmarks)")
     add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add("--workers", type=int, default=1, help="gateway processes sharing the port (SO_REUSEPORT)")
@@ -69,6 +70,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_parallel_per_session=args.max_parallel_per_session,
         stall_timeout=args.stall_timeout,
         coalesce=not args.no_coalesce,
+        instructions=args.instructions,
         worker=str(args.worker_index or 0),
         reuse_port=args.worker_index is not None,
     )

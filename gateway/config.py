@@ -17,6 +17,7 @@ class GatewayConfig:
     api_key: str | None = None
     max_parallel_per_session: int = 4
     stall_timeout: float = 30.0
+    instructions: str | None = None  # None: the engine's default (a small model needs one)
     coalesce: bool = True
     shutdown_grace: float = 3.0  # seconds to flush response.done before closing sockets
     worker: str = "0"

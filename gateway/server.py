@@ -53,6 +53,7 @@ class Gateway:
         self._server: Server | None = None
         self._engine_task: asyncio.Task[None] | None = None
         self._limits = SessionLimits(max_parallel_out_of_band=config.max_parallel_per_session)
+        self._session_defaults = self._describe_sessions()
         self.started_at = time.time()
 
     # -- lifecycle -------------------------------------------------------------
@@ -79,13 +80,22 @@ class Gateway:
         except Exception:
             log.exception("engine %s failed to start", self.engine.name)
             raise
-        if self.config.max_running is None:  # some engines learn their capacity at start
+        # Some engines learn their capacity and model name only as they start.
+        if self.config.max_running is None:
             self.scheduler.max_running = self.engine.capacity
+        self._session_defaults = self._describe_sessions()
         log.info(
             "engine %s ready in %.2fs %s",
             self.engine.name,
             time.perf_counter() - started,
             self.engine.describe(),
+        )
+
+    def _describe_sessions(self) -> SessionConfig:
+        engine, instructions = self.engine, self.config.instructions
+        return SessionConfig(
+            model=str(engine.describe().get("model", engine.name)),
+            instructions=engine.default_instructions if instructions is None else instructions,
         )
 
     async def wait_ready(self) -> None:
@@ -175,7 +185,9 @@ class Gateway:
         if limit is not None and len(self.sessions) >= limit:
             return http.text_response(503, f"Too many sessions (limit {limit}); retry later.")
         if not self.engine.ready:
-            return http.text_response(503, "The engine is not ready (loading, or no replica is up); retry shortly.")
+            return http.text_response(
+                503, "The engine is not ready (loading, or no replica is up); retry shortly."
+            )
         return None
 
     def _authorized(self, request: Request) -> bool:
@@ -205,7 +217,7 @@ class Gateway:
         session = Session(
             self.scheduler,
             outbox,
-            config=SessionConfig(model=str(self.engine.describe().get("model", self.engine.name))),
+            config=self._session_defaults,
             limits=self._limits,
             metrics=self.metrics,
         )

