@@ -1,20 +1,27 @@
-"""Measure the llamacpp engine alone (no gateway): tokens/s and multi-turn time to first token.
+"""Measure the llamacpp engine alone, then the same load through the gateway, in one run.
 
     python -m bench.llamacpp_engine [--model PATH.gguf] [--ctx 2048] [--slots 4] [--threads N]
 
-Prints load time, decode tokens/s for one conversation and for ``--slots``
+Prints load time, tokens/s for one conversation and for ``--slots``
 conversations at once (total and per stream), and the time to first token of
 each turn of one growing conversation (it should stay flat: the slot's cached
-prefix is reused).
+prefix is reused). Then it starts ``python -m gateway --engine llamacpp`` in a
+process of its own and sends the same requests (same prompts, seeds and
+budgets) over WebSocket, so the gateway's figures sit beside the engine's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
+import subprocess
+import sys
 import time
+import urllib.request
 from pathlib import Path
 
+import gateway.client
 from gateway.engines.base import GenerationRequest, Message, SamplingParams, TextDelta, Usage
 from gateway.engines.llamacpp import DEFAULT_CTX, DEFAULT_SLOTS, LlamaCppEngine, bundled_model_path
 
@@ -82,6 +89,46 @@ async def multi_turn(engine: LlamaCppEngine, turns: int) -> None:
     print("time to first token per turn: " + ", ".join(line))
 
 
+async def ask_gateway(url: str, i: int, prompt: str, tokens: int) -> gateway.client.Reply:
+    options = {"max_output_tokens": tokens, "temperature": 1.0, "seed": i}
+    async with gateway.client.connect(url, instructions=SYSTEM.text, **options) as chat:
+        return await chat.ask(prompt)
+
+
+async def throughput_via_gateway(url: str, streams: int, tokens: int) -> None:
+    began = time.perf_counter()
+    replies = await asyncio.gather(
+        *(ask_gateway(url, i, PROMPTS[i % len(PROMPTS)], tokens) for i in range(streams))
+    )
+    wall = time.perf_counter() - began
+    generated = sum(r.usage.output_tokens for r in replies if r.usage)
+    first = max(r.time_to_first_token or 0.0 for r in replies)
+    print(
+        f"{streams} stream(s) via gateway: {generated} tokens in {wall:.2f} s = "
+        f"{generated / wall:.0f} tokens/s total; first token {first * 1000:.0f} ms (slowest)"
+    )
+
+
+def start_gateway(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = [sys.executable, "-m", "gateway", "--engine", "llamacpp", "--port", str(port)]
+    argv += ["--ctx", str(args.ctx), "--slots", str(args.slots), "--log-level", "WARNING"]
+    argv += ["--model", str(args.model)] if args.model else []
+    argv += ["--threads", str(args.threads)] if args.threads else []
+    process = subprocess.Popen(argv)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1):
+                return process, f"ws://127.0.0.1:{port}/v1/realtime"
+        except OSError:
+            time.sleep(0.1)
+    process.kill()
+    raise SystemExit("the gateway did not become ready within 60 s")
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None)
@@ -103,6 +150,14 @@ async def main() -> None:
         await multi_turn(engine, 6)
     finally:
         await engine.close()
+    process, url = start_gateway(args)
+    try:
+        await ask_gateway(url, 99, "Hello!", 8)  # warm-up
+        await throughput_via_gateway(url, 1, args.tokens)
+        await throughput_via_gateway(url, args.slots, args.tokens)
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
 
 
 if __name__ == "__main__":

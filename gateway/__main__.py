@@ -142,6 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.log_level != "DEBUG":  # one line per connection and per HTTP GET is noise
+        logging.getLogger("websockets.server").setLevel(logging.WARNING)
     if args.workers > 1 and args.worker_index is None:
         return run_workers(args, argv)
     try:
