@@ -3,10 +3,13 @@
 No gateway logic at all: no session actor, no scheduler, no engine, no outbox,
 no metrics. It answers the load generator's turns with the same event sequence
 and the same JSON delta events (the same fields, the SimEngine's own words, so
-the same sizes), one delta frame per token, at the same step rate as the sim
-engine (one shared step clock; ``--step-ms 0`` sends as fast as it can). What it
-reaches is the most a Python websockets server on this machine can send, and the
-latency it adds is what the socket layer alone costs.
+the same sizes), one delta frame per token, on the sim engine's schedule: one
+shared step clock whose steps fall due on a fixed clock, missed steps counted at
+once when the loop comes back late (each stream then sends every token it is owed,
+still one frame each), exactly as SimEngine's step loop does; ``--step-ms 0``
+sends as fast as it can. What it reaches is the most a Python websockets server
+on this machine can send, and the latency it adds is what the socket layer alone
+costs.
 
 Run: ``python -m bench.bare_server --port 8800 --step-ms 20 --response-tokens 64``
 """
@@ -25,6 +28,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from bench.loadgen import raise_nofile
+from gateway.engines.sim import _MAX_CATCH_UP as MAX_CATCH_UP  # the same catch-up cap
 from gateway.engines.sim import answer_tokens
 
 _ids = itertools.count(1)
@@ -39,29 +43,64 @@ def _frame(kind: str, **fields: Any) -> bytes:
 
 
 class Ticker:
-    """One step clock for every stream, like the engine's step loop."""
+    """One step clock for every stream, kept like SimEngine's step loop.
+
+    Steps fall due on a fixed clock (not a sleep after each step), so a busy loop
+    does not slow the clock down: when it comes back late, the missed steps count
+    at once (up to the engine's cap), and every stream is owed one token per step
+    it was in. Idle (no stream) it waits, and the first stream's step runs at
+    once, as the engine's does. ``steps`` only grows; a stream remembers the count
+    it last saw, so a step that ran while it was busy sending is not lost.
+    """
 
     def __init__(self, step_s: float) -> None:
         self.step_s = step_s
+        self.steps = 0
+        self._streams = 0
+        self._wake = asyncio.Event()
         self._next: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
 
-    async def wait(self) -> None:
+    def join(self) -> int:
+        """A stream starts: the step count it starts after (its first token is the next step)."""
+        self._streams += 1
+        self._wake.set()
+        if self._task is None and self.step_s > 0:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        return self.steps
+
+    def leave(self) -> None:
+        self._streams -= 1
+
+    async def wait(self, seen: int) -> int:
+        """The step count once it is past ``seen`` (at once if it already is)."""
         if self.step_s <= 0:
-            await asyncio.sleep(0)
-            return
+            await asyncio.sleep(0)  # flat out: one token per loop turn
+            return seen + 1
+        if self.steps > seen:
+            return self.steps
         if self._next is None:
             self._next = asyncio.get_running_loop().create_future()
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        # Shielded: a cancelled stream must not cancel the future the others await.
         await asyncio.shield(self._next)
+        return self.steps
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time()
         while True:
-            await asyncio.sleep(self.step_s)
-            due, self._next = self._next, None
-            if due is not None:
-                due.set_result(None)
+            if not self._streams:
+                self._wake.clear()
+                await self._wake.wait()
+                due = loop.time()
+            late = loop.time() - due
+            steps = 1 + min(MAX_CATCH_UP, int(late / self.step_s))
+            self.steps += steps
+            due_now, self._next = self._next, None
+            if due_now is not None:
+                due_now.set_result(None)
+            due += steps * self.step_s
+            await asyncio.sleep(max(0.0, due - loop.time()))
 
 
 def _item(item_id: str, role: str, text: str, status: str) -> dict[str, Any]:
@@ -123,19 +162,30 @@ class BareServer:
     async def respond(self, ws: ServerConnection, prompt: str) -> None:
         rid, item_id = _id("resp"), _id("item")
         ids = {"response_id": rid, "item_id": item_id, "output_index": 0, "content_index": 0}
-        await ws.send(_frame("response.created", response=_response(rid, "in_progress", [], None)))
+        created = _frame("response.created", response=_response(rid, "in_progress", [], None))
+        await ws.send(created, text=True)
         added = _item(item_id, "assistant", "", "in_progress")
-        await ws.send(_frame("response.output_item.added", response_id=rid, item=added))
-        await ws.send(_frame("response.content_part.added", **ids, part={"type": "text"}))
+        await ws.send(_frame("response.output_item.added", response_id=rid, item=added), text=True)
+        part = _frame("response.content_part.added", **ids, part={"type": "text"})
+        await ws.send(part, text=True)
+        tokens = answer_tokens(prompt, self.response_tokens)
         sent: list[str] = []
         status = "completed"
+        seen = self.ticker.join()
         try:
-            for token in answer_tokens(prompt, self.response_tokens):
-                await self.ticker.wait()
-                await ws.send(_frame("response.output_text.delta", **ids, delta=token), text=True)
-                sent.append(token)
+            while len(sent) < len(tokens):
+                now = await self.ticker.wait(seen)
+                # One token per step since the last look, each in a frame of its own.
+                for token in tokens[len(sent) : len(sent) + now - seen]:
+                    await ws.send(
+                        _frame("response.output_text.delta", **ids, delta=token), text=True
+                    )
+                    sent.append(token)
+                seen = now
         except asyncio.CancelledError:
             status = "cancelled"
+        finally:
+            self.ticker.leave()
         text = "".join(sent)
         usage = {"input_tokens": 10, "output_tokens": len(sent), "total_tokens": 10 + len(sent)}
         item = _item(item_id, "assistant", text, "completed")

@@ -102,21 +102,17 @@ def gateway_argv(
     max_batch: int,
     response_tokens: int,
     coalesce: bool = True,
-    module: str = "gateway",
     extra: Sequence[str] = (),
     profile_to: Path | None = None,
 ) -> list[str]:
-    """``python -m gateway --engine sim ...`` (under cProfile when ``profile_to`` is given).
-
-    ``module="bench.wallclock"`` runs the same gateway with the wall-clock sim engine.
-    """
+    """``python -m gateway --engine sim ...`` (under cProfile when ``profile_to`` is given)."""
     prefix = [sys.executable]
     if profile_to is not None:
         prefix += ["-m", "cProfile", "-o", str(profile_to)]
     argv = [
         *prefix,
         "-m",
-        module,
+        "gateway",
         "--engine",
         "sim",
         "--log-level",

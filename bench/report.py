@@ -19,7 +19,6 @@ LABELS = {
     "bare": "bare websockets",
     "gateway": "gateway",
     "gateway-nc": "gateway --no-coalesce",
-    "gateway-wall": "gateway, wall-clock engine",
 }
 
 
@@ -45,16 +44,15 @@ def targets(rows: Sequence[Row], settings: dict[str, Any]) -> list[list[Any]]:
     """The issue's targets, each with the figure, its baseline and whether it was met."""
     out: list[list[Any]] = []
     bare = _pick(rows, "throughput", "bare").get("delta_frames_s", math.nan)
-    for system in ("gateway", "gateway-wall"):
-        tok = _pick(rows, "throughput", system).get("tokens_s", math.nan)
-        out.append(
-            [
-                f"{LABELS[system]} tokens/s >= bare websockets frames/s",
-                f"{fmt(tok)} tok/s",
-                f"{fmt(bare)} frames/s (x{fmt(ratio(tok, bare))})",
-                _verdict(None if math.isnan(tok) else tok >= bare),
-            ]
-        )
+    tok = _pick(rows, "throughput", "gateway").get("tokens_s", math.nan)
+    out.append(
+        [
+            "gateway tokens/s >= bare websockets frames/s",
+            f"{fmt(tok)} tok/s",
+            f"{fmt(bare)} frames/s (x{fmt(ratio(tok, bare))})",
+            _verdict(None if math.isnan(tok) else tok >= bare),
+        ]
+    )
     gw, eng = _pick(rows, "sweep", "gateway", 100), _pick(rows, "sweep", "engine", 100)
     added = gw.get("ttft_p99", math.nan) - eng.get("ttft_p99", math.nan)
     out.append(

@@ -5,11 +5,12 @@ Every figure of the gateway is measured beside its baselines in the same run:
 - ``engine``: the same SimEngine driven in one process with no network (the
   worker iterates ``engine.stream`` itself): the floor for latency.
 - ``bare``: a bare websockets server (bench/bare_server.py) pushing the same
-  frames at the same step rate with no gateway logic: the ceiling for frames.
+  frames on the same fixed step clock with no gateway logic: the ceiling for frames.
 - ``gateway``: ``python -m gateway --engine sim``, coalescing on (the default).
 - ``gateway-nc``: the same with ``--no-coalesce``.
-- ``gateway-wall``: the gateway with the wall-clock sim engine (bench/wallclock.py),
-  whose tokens keep coming while the gateway's loop is busy, as a GPU's do.
+
+The SimEngine keeps its steps on a fixed clock whatever the event loop is doing
+(as a GPU does), so all of them are fed the way a real engine feeds the gateway.
 
 Servers and load generators each run in processes of their own. Results go to
 ``bench/results/latest.md`` (tables), ``latest.json`` (every figure) and
@@ -54,7 +55,6 @@ SYSTEMS = {
     "bare": "bare websockets server (ceiling)",
     "gateway": "gateway",
     "gateway-nc": "gateway --no-coalesce",
-    "gateway-wall": "gateway, wall-clock sim engine",
 }
 
 
@@ -85,7 +85,6 @@ def serving(system: str, engine: Engine, *, profile_to: Path | None = None) -> I
             max_batch=engine.max_batch,
             response_tokens=engine.response_tokens,
             coalesce=system != "gateway-nc",
-            module="bench.wallclock" if system == "gateway-wall" else "gateway",
             profile_to=profile_to,
         )
     with server_process(argv) as server:
@@ -210,23 +209,48 @@ def run_idle(systems: list[str], sessions: int, engine: Engine, rows: list[dict[
             )
 
 
-def profile_gateway(engine: Engine, w: Workload, system: str, out: Path) -> str:
+# What ``--profile`` runs: the gateway at the 1,000-session sweep point and at the
+# throughput scenario (where coalescing should engage), each under cProfile.
+PROFILES = {
+    "gateway": (Engine(20, 32), Workload(sessions=1000, duration=4.0, think=(0.0, 0.04))),
+    "gateway-throughput": (Engine(5, 64), Workload(sessions=400, duration=4.0, think=(0.0, 0.0))),
+}
+
+
+def profile_gateway(engine: Engine, w: Workload, name: str, out: Path) -> str:
     """Run ``w`` against the gateway under cProfile; the top functions by own time."""
     with tempfile.TemporaryDirectory() as tmp:
         prof = Path(tmp) / "gateway.prof"
-        with serving(system, engine, profile_to=prof) as s:
-            run_load(s.target, w, workers=s.workers, server_pid=s.pid)
+        with serving("gateway", engine, profile_to=prof) as s:
+            result = run_load(s.target, w, workers=s.workers, server_pid=s.pid)
+        t = result.tally
         stats = pstats.Stats(str(prof))
         total = stats.total_tt  # type: ignore[attr-defined]
         rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)  # type: ignore[attr-defined]
-        lines = [f"# {system}: {w.sessions} sessions, step {engine.step_ms} ms", ""]
+        per_frame = t.tokens_in_window / t.delta_frames if t.delta_frames else math.nan
+        lines = [
+            f"# {name}: {w.sessions} sessions, step {engine.step_ms} ms, "
+            f"{engine.response_tokens}-token answers, think {w.think[0]}-{w.think[1]} s",
+            f"# under cProfile: {t.tokens_in_window / w.duration:.0f} tokens/s, "
+            f"{t.delta_frames / w.duration:.0f} delta frames/s ({per_frame:.2f} tokens/frame)",
+            "",
+        ]
         lines.append(f"{'own %':>6} {'cum %':>6} {'calls':>10}  function")
-        for (file, line, name), (_, calls, own, cum, _) in rows[:30]:
-            where = f"{Path(file).name}:{line}({name})" if line else name
+        for (file, line, func), (_, calls, own, cum, _) in rows[:30]:
+            where = f"{Path(file).name}:{line}({func})" if line else func
             lines.append(f"{100 * own / total:6.1f} {100 * cum / total:6.1f} {calls:10d}  {where}")
         text = "\n".join(lines) + "\n"
         out.write_text(text)
         return text
+
+
+def run_profiles(out: Path) -> dict[str, str]:
+    profiles = {}
+    for name, (engine, w) in PROFILES.items():
+        path = out / f"profile-{name}.txt"
+        profiles[name] = profile_gateway(engine, w, name, path)
+        log(f"profile written to {path}")
+    return profiles
 
 
 def standard(quick: bool) -> dict[str, Any]:
@@ -245,7 +269,7 @@ def standard(quick: bool) -> dict[str, Any]:
     # 2. Throughput: an engine that offers more tokens than one core can frame.
     tput_engine = Engine(step_ms=5, response_tokens=64)
     tput = [replace(base, sessions=100 if quick else 400, think=(0.0, 0.0))]
-    run_systems("throughput", [*four, "gateway-wall"], tput_engine, tput, rows)
+    run_systems("throughput", four, tput_engine, tput, rows)
 
     # 3. Cancel: each turn is cancelled after 1-8 delta frames.
     cancel_engine = Engine(step_ms=20, response_tokens=64)
@@ -277,10 +301,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", action="store_true", help="also profile the gateway (cProfile)"
     )
+    parser.add_argument(
+        "--profile-only",
+        action="store_true",
+        help="only the profiles (latest.md and latest.json are left as they are)",
+    )
     args = parser.parse_args(argv)
     raise_nofile()  # inherited by every server and worker process
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    if args.profile_only:
+        run_profiles(args.out)
+        return 0
     results = standard(args.quick)
     results["settings"].update(
         wall_s=time.monotonic() - started,
@@ -288,15 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         load_avg=os.getloadavg()[0],
     )
     if args.profile:
-        profiles = {}
-        for system, engine, w in (
-            ("gateway", Engine(20, 32), Workload(sessions=1000, duration=4.0)),
-            ("gateway-wall", Engine(5, 64), Workload(sessions=400, duration=4.0)),
-        ):
-            path = args.out / f"profile-{system}.txt"
-            profiles[system] = profile_gateway(engine, replace(w, think=(0.0, 0.04)), system, path)
-            log(f"profile written to {path}")
-        results["profiles"] = profiles
+        results["profiles"] = run_profiles(args.out)
     from bench.report import write_report
 
     write_report(results, args.out)

@@ -75,7 +75,7 @@ class Scheduler:
         self.max_queued = max_queued
         self.metrics = metrics or Metrics()
         self._running: set[Job] = set()
-        self._queues: dict[str, deque[Job]] = {}  # insertion order is the round-robin order
+        self._queues: dict[str, deque[Job]] = {}  # waiting jobs per session, FIFO each
         self._queued = 0
         self._running_by_session: Counter[str] = Counter()
         self._last_served: dict[str, int] = {}
