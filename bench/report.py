@@ -230,7 +230,8 @@ def markdown(results: dict[str, Any]) -> str:
         "## Cancel",
         "",
         f"{ca['step_ms']:g} ms steps; every turn sends `response.cancel` after 1-8 delta "
-        "frames. Time from sending the cancel to receiving `response.done`, in ms.",
+        "frames. Time from sending the cancel to receiving `response.done`, in ms "
+        "(TTFT and gap: of the same turns, before their cancel).",
         "",
     ]
     body = [
@@ -243,6 +244,8 @@ def markdown(results: dict[str, Any]) -> str:
             r["cancel_p90"],
             r["cancel_p99"],
             r["cancel_max"],
+            r["ttft_p99"],
+            r["gap_p99"],
             r["errors"] + r["timeouts"],
             r["text_mismatch"],
         ]
@@ -259,6 +262,8 @@ def markdown(results: dict[str, Any]) -> str:
             "p90",
             "p99",
             "max",
+            "TTFT p99",
+            "gap p99",
             "errors",
             "lost text",
         ],

@@ -191,6 +191,9 @@ class Scheduler:
     def _end_unstarted(self, job: Job) -> None:
         if job.state != "done":
             self._end(job, self._partial(job, "cancelled"))
+        # Break job -> task -> CancelledError -> traceback -> frame -> job: left to the
+        # cycle collector, thousands of cancels a second cost 45 ms full collections.
+        job.task = None
 
     def _end(self, job: Job, outcome: Outcome) -> None:
         self._running.discard(job)
