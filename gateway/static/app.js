@@ -184,7 +184,7 @@ function send(event) {
 function handleEvent(event) {
   switch (event.type) {
     case "session.created":
-      return onSessionCreated();
+      return onSessionCreated(event.session ?? {});
     case "response.created":
       return onResponseCreated(event.response);
     case "response.output_text.delta":
@@ -198,8 +198,13 @@ function handleEvent(event) {
   }
 }
 
-function onSessionCreated() {
+function onSessionCreated(session) {
   const reconnected = state.everReady;
+  // Start from the server's default instructions (a small model needs some) unless
+  // the user has written their own.
+  if (!reconnected && !ui.instructions.value && session.instructions) {
+    ui.instructions.value = session.instructions;
+  }
   state.ready = true;
   state.everReady = true;
   state.attempt = 0;
