@@ -9,7 +9,8 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from gateway import engines
 from gateway.config import GatewayConfig
@@ -17,6 +18,24 @@ from gateway.engines.base import EngineError
 from gateway.server import Gateway
 
 log = logging.getLogger("gateway")
+
+
+def _number(kind: type[int] | type[float], low: float) -> Callable[[str], Any]:
+    """An argparse type that refuses values below ``low`` with a clear message."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+
+    return parse
+
+
+count = _number(int, 1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,26 +51,43 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", default=None, help="model for the engine (default: the engine's own)")
     add(
         "--max-running",
-        type=int,
+        type=count,
         default=None,
         help="responses run at once (default: engine capacity)",
     )
-    add("--max-queued", type=int, default=256, help="responses waiting; beyond: 'overloaded'")
-    add("--max-sessions", type=int, default=None, help="connections at once; beyond: HTTP 503")
-    add("--max-message-bytes", type=int, default=1 << 20, help="largest client frame; beyond: 1009")
+    add(
+        "--max-queued",
+        type=_number(int, 0),
+        default=256,
+        help="responses waiting; beyond: 'overloaded'",
+    )
+    add("--max-sessions", type=count, default=None, help="connections at once; beyond: HTTP 503")
+    add(
+        "--max-message-bytes",
+        type=_number(int, 1024),
+        default=1 << 20,
+        help="largest client frame; beyond: 1009",
+    )
     add("--allowed-origin", action="append", default=[], help="browser Origin allowed (repeatable)")
     add("--api-key", default=None, help="require this key (Bearer header or subprotocol)")
-    add("--max-parallel-per-session", type=int, default=4, help="out-of-band responses per session")
+    add(
+        "--max-parallel-per-session",
+        type=count,
+        default=4,
+        help="out-of-band responses per session",
+    )
     add(
         "--stall-timeout",
-        type=float,
+        type=_number(float, 0.01),
         default=30.0,
         help="close clients that read nothing this long",
     )
     add("--instructions", default=None, help="default instructions (default: the engine's)")
     add("--no-coalesce", action="store_true", help="send every delta as its own frame (benchmarks)")
     add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    add("--workers", type=int, default=1, help="gateway processes sharing the port (SO_REUSEPORT)")
+    add(
+        "--workers", type=count, default=1, help="gateway processes sharing the port (SO_REUSEPORT)"
+    )
     add("--worker-index", type=int, default=None, help=argparse.SUPPRESS)  # set by --workers
     engines.add_arguments(parser)
     return parser
@@ -142,8 +178,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.log_level != "DEBUG":  # one line per connection and per HTTP GET is noise
-        logging.getLogger("websockets.server").setLevel(logging.WARNING)
+    if args.log_level != "DEBUG":
+        # One line per connection and per HTTP GET is noise, and so is a traceback
+        # for every malformed request a scanner sends.
+        websockets_log = logging.getLogger("websockets.server")
+        websockets_log.setLevel(logging.WARNING)
+        websockets_log.addFilter(lambda r: r.getMessage() != "opening handshake failed")
     if args.workers > 1 and args.worker_index is None:
         return run_workers(args, argv)
     try:

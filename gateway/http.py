@@ -50,8 +50,10 @@ def text_response(status: int, text: str, extra: dict[str, str] | None = None) -
 
 def static_response(path: str) -> Response | None:
     """``/`` is the chat page; ``/static/NAME`` any file beside it. None: not found."""
+    if path != "/" and not path.startswith("/static/"):
+        return None
     name = "index.html" if path == "/" else path.removeprefix("/static/")
-    if "/" in name or name.startswith(".") or not path.startswith(("/static/", "/")):
+    if "/" in name or name.startswith("."):
         return None
     file = STATIC_DIR / name
     content_type = _CONTENT_TYPES.get(file.suffix)

@@ -8,6 +8,7 @@ so every rule of the wire format is testable with strings alone.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import math
 import secrets
@@ -66,8 +67,14 @@ class ProtocolError(Exception):
 # Client events
 
 
-Unset = Literal["unset"]
-UNSET: Unset = "unset"
+class _Unset(enum.Enum):
+    """Marks a field the client did not send (no string can be mistaken for it)."""
+
+    UNSET = "unset"
+
+
+Unset = Literal[_Unset.UNSET]
+UNSET: Unset = _Unset.UNSET
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,8 +276,13 @@ class _Reader:
 
 
 _SAMPLING = frozenset({"temperature", "top_p", "seed", "stop"})
+# Fields the SDK may send (or echo back from session.created) that a text-only gateway
+# without tools can accept as long as they ask for nothing it lacks.
+_IGNORED = frozenset({"tracing", "truncation", "include", "prompt", "expires_at"})
 _SESSION_FIELDS = frozenset(
     {"type", "model", "instructions", "output_modalities", "max_output_tokens", "object", "id"}
+    | {"tools", "tool_choice"}
+    | _IGNORED
     | _SAMPLING
 )
 _AUDIO_FIELDS = frozenset({"audio", "voice", "input_audio_format", "output_audio_format"})
@@ -293,6 +305,14 @@ def _sampling(r: _Reader) -> dict[str, Any]:
         out["instructions"] = r.string("instructions")
     if r.has("output_modalities"):
         r.modalities("output_modalities")
+    if r.has("tools") and r.obj["tools"] not in (None, []):
+        raise r.fail(
+            "tools", "This gateway has no tools: 'tools' must be empty.", "unsupported_tools"
+        )
+    if r.has("tool_choice") and r.obj["tool_choice"] not in (None, "auto", "none"):
+        raise r.fail(
+            "tool_choice", "This gateway has no tools: 'tool_choice' must be 'auto' or 'none'."
+        )
     return out
 
 
@@ -362,6 +382,7 @@ def _item_id_event(r: _Reader) -> str:
 
 _RESPONSE_FIELDS = frozenset(
     {"instructions", "max_output_tokens", "metadata", "conversation", "input", "output_modalities"}
+    | {"tools", "tool_choice", "prompt"}
     | _SAMPLING
 )
 

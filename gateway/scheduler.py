@@ -124,9 +124,13 @@ class Scheduler:
         elif job.task is not None:
             job.task.cancel()
 
+    def drain(self) -> None:
+        """Refuse new work and start nothing more; what runs goes on."""
+        self._closing = True
+
     async def close(self) -> None:
         """Refuse new work, cancel everything, and wait until the engine is idle."""
-        self._closing = True
+        self.drain()
         for queue in list(self._queues.values()):
             for job in list(queue):
                 self.cancel(job, "server_shutdown")

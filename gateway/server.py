@@ -45,12 +45,13 @@ class Gateway:
         self.metrics.set_engine(engine.name)
         self.scheduler = Scheduler(
             engine,
-            max_running=config.max_running or engine.capacity,
+            max_running=engine.capacity if config.max_running is None else config.max_running,
             max_queued=config.max_queued,
             metrics=self.metrics,
         )
         self.sessions: set[Session] = set()
         self._server: Server | None = None
+        self._stopping = False
         self._engine_task: asyncio.Task[None] | None = None
         self._limits = SessionLimits(max_parallel_out_of_band=config.max_parallel_per_session)
         self._session_defaults = self._describe_sessions()
@@ -113,19 +114,22 @@ class Gateway:
         server = self._server
         if server is None:
             return
+        self._stopping = True
+        self.scheduler.drain()  # nothing new starts while the sessions wind down
         server.close(close_connections=False)
         for session in list(self.sessions):
             session.close("server_shutdown", 1001, "server shutting down")
+        grace = self.config.shutdown_grace
         try:
-            async with asyncio.timeout(self.config.shutdown_grace):
+            async with asyncio.timeout(grace):
                 await server.wait_closed()
         except TimeoutError:
-            log.warning(
-                "connections still open after %.1fs; aborting them", self.config.shutdown_grace
-            )
+            log.warning("connections still open after %.1fs; aborting them", grace)
             for connection in list(server.connections):
                 connection.transport.abort()
-            await server.wait_closed()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace):
+                    await server.wait_closed()
         await self.scheduler.close()
         if self._engine_task is not None and not self._engine_task.done():
             self._engine_task.cancel()
@@ -150,7 +154,13 @@ class Gateway:
         path = request.path.partition("?")[0]
         upgrade = "websocket" in request.headers.get("Upgrade", "").lower()
         if path in REALTIME_PATHS:
-            refusal = self._refuse_handshake(request) if upgrade else None
+            if not upgrade:
+                return http.text_response(
+                    426,
+                    "This is the Realtime WebSocket endpoint: connect with a WebSocket client.",
+                    {"Upgrade": "websocket"},
+                )
+            refusal = self._refuse_handshake(request)
             if refusal is not None:
                 self.metrics.connections_refused.labels(status=str(refusal.status_code)).inc()
             return refusal
@@ -208,10 +218,14 @@ class Gateway:
     # -- WebSocket ---------------------------------------------------------------
 
     async def _handle(self, ws: ServerConnection) -> None:
+        if self._stopping:  # the handshake finished after shutdown began
+            await _close(ws, 1001, "server shutting down")
+            return
         limit = self.config.max_sessions
         if limit is not None and len(self.sessions) >= limit:
             # Handshakes that raced past the HTTP check: refuse at the WebSocket level.
-            await ws.close(1013, "too many sessions")
+            self.metrics.connections_refused.labels(status="1013").inc()
+            await _close(ws, 1013, "too many sessions")
             return
         outbox = Outbox(coalesce=self.config.coalesce)
         session = Session(
@@ -231,17 +245,21 @@ class Gateway:
             await self._read(ws, session)
         finally:
             session.close("disconnected")
-            await actor
-            # The writer ends itself after the close request; if the socket is gone
-            # or stuck, nothing it holds is worth waiting for.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(0.5 if ws.close_code is not None else 2.5):
-                    await asyncio.shield(writer)
-            writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await writer
-            self.sessions.discard(session)
-            self.metrics.sessions.dec()
+            try:
+                await actor
+            except Exception:
+                log.exception("session %s ended with an error", session.id)
+            finally:
+                # The writer ends itself after the close request; if the socket is
+                # gone or stuck, nothing it holds is worth waiting for.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.5 if ws.close_code is not None else 2.5):
+                        await asyncio.shield(writer)
+                writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await writer
+                self.sessions.discard(session)
+                self.metrics.sessions.dec()
 
     async def _read(self, ws: ServerConnection, session: Session) -> None:
         with contextlib.suppress(ConnectionClosed):

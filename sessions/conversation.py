@@ -22,12 +22,12 @@ class Item:
 
 
 class Conversation:
-    """Items in order, addressable by id. Bounded by the session's ``max_items``."""
+    """Items in order, addressable by id; ``chars`` is the text they hold, for limits."""
 
-    def __init__(self, max_items: int = 4096) -> None:
+    def __init__(self) -> None:
         self._items: list[Item] = []
         self._by_id: dict[str, Item] = {}
-        self.max_items = max_items
+        self.chars = 0
 
     def __len__(self) -> int:
         return len(self._items)
@@ -41,10 +41,6 @@ class Conversation:
     def last_id(self) -> str | None:
         return self._items[-1].id if self._items else None
 
-    def previous_id(self, item_id: str) -> str | None:
-        index = self._items.index(self._by_id[item_id])
-        return self._items[index - 1].id if index else None
-
     def insert(self, item: Item, after: str | None = None) -> None:
         """Append, or insert after item ``after`` (``"root"``: first). Ids must be new."""
         if item.id in self._by_id:
@@ -56,15 +52,20 @@ class Conversation:
         else:
             self._items.insert(self._items.index(self._by_id[after]) + 1, item)
         self._by_id[item.id] = item
+        self.chars += len(item.text)
+
+    def finish(self, item_id: str, text: str, status: ItemStatus) -> None:
+        """Give a generated item its final text and status (if it is still there)."""
+        item = self._by_id.get(item_id)
+        if item is not None:
+            self.chars += len(text) - len(item.text)
+            item.text, item.status = text, status
 
     def delete(self, item_id: str) -> Item:
         item = self._by_id.pop(item_id)
         self._items.remove(item)
+        self.chars -= len(item.text)
         return item
-
-    def clear(self) -> None:
-        self._items.clear()
-        self._by_id.clear()
 
     def to_messages(self) -> list[Message]:
         """What the engine sees: every finished item with text, in order."""

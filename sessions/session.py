@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 class SessionLimits:
     max_parallel_out_of_band: int = 4
     max_items: int = 4096
+    max_conversation_chars: int = 8 << 20  # bounds memory, and the prompt of every response
     max_unhandled_events: int = 64  # the reader waits beyond this: TCP backpressure
 
 
@@ -56,6 +57,7 @@ class _Response:
     metadata: dict[str, str] | None
     max_output_tokens: int | None
     cancelling: bool = False
+    previous_item_id: str | None = None  # where its item sits in the conversation
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +99,7 @@ class Session:
         self.config = config or SessionConfig()
         self.limits = limits or SessionLimits()
         self.metrics = metrics
-        self.conversation = Conversation(self.limits.max_items)
+        self.conversation = Conversation()
         self._inbox: asyncio.Queue[_Inbound] = asyncio.Queue()
         self._unhandled = 0
         self._room = asyncio.Event()
@@ -111,6 +113,8 @@ class Session:
 
     async def deliver(self, event: p.ClientEvent | p.ProtocolError) -> None:
         """Queue a client event; waits while too many are unhandled (backpressure)."""
+        if self._closing is not None:
+            return  # nobody will handle it: the actor is ending or gone
         self._unhandled += 1
         self._inbox.put_nowait(event)
         if self._unhandled >= self.limits.max_unhandled_events:
@@ -145,28 +149,30 @@ class Session:
                 item = await self._inbox.get()
                 self._handle(item)
         finally:
-            # Cancelled from outside (never in normal operation): still free the engine.
+            # Normally a no-op; if the actor is cancelled or crashes, this is the
+            # cleanup that frees its engine work.
             for job in list(self._responses):
                 self.scheduler.cancel(job, "disconnected")
         assert self._closing is not None
         self.outbox.close(self._closing.code, self._closing.text)
 
     def _handle(self, item: _Inbound) -> None:
-        if isinstance(item, _JobDone):
-            self._job_done(item.job, item.outcome)
-            return
         if isinstance(item, _Close):
             self._begin_close(item)
             return
-        self._unhandled -= 1
-        if self._unhandled < self.limits.max_unhandled_events:
-            self._room.set()
-        if self._closing is not None:
-            return
+        if not isinstance(item, _JobDone):
+            self._unhandled -= 1
+            if self._unhandled < self.limits.max_unhandled_events:
+                self._room.set()
+            if self._closing is not None:
+                return
         try:
-            if isinstance(item, p.ProtocolError):
+            if isinstance(item, _JobDone):
+                self._job_done(item.job, item.outcome)
+            elif isinstance(item, p.ProtocolError):
                 raise item
-            self._client_event(item)
+            else:
+                self._client_event(item)
         except p.ProtocolError as err:
             self._error(err)
         except Exception:  # a bug must cost one event, not the connection
@@ -204,6 +210,7 @@ class Session:
         if self._closing is not None:
             return
         self._closing = close
+        self._room.set()  # a reader waiting to deliver must not wait forever
         for job in list(self._responses):
             self.scheduler.cancel(job, close.reason)
 
@@ -243,18 +250,26 @@ class Session:
             )
         if previous not in (None, "root") and previous not in self.conversation:
             raise self._not_found(previous, "previous_item_id", event.event_id)
-        if len(self.conversation) >= self.conversation.max_items:
-            raise p.ProtocolError(
-                "conversation_full",
-                f"The conversation holds at most {self.conversation.max_items} items; delete some.",
-                event_id=event.event_id,
-            )
+        self._check_room(event.event_id, len(spec.text))
         item = Item(spec.id or p.new_id("item"), spec.role, spec.text)
         before = self.conversation.last_id() if previous is None else previous
         self.conversation.insert(item, previous)
         prev = None if before == "root" else before
         for kind in ("conversation.item.added", "conversation.item.done"):
             self.outbox.put(p.event(kind, previous_item_id=prev, item=item.to_json()))
+
+    def _check_room(self, event_id: str | None, chars: int = 0) -> None:
+        """Refuse what would take the conversation past its item or text limit."""
+        limits, conversation = self.limits, self.conversation
+        if len(conversation) >= limits.max_items or (
+            conversation.chars + chars > limits.max_conversation_chars
+        ):
+            raise p.ProtocolError(
+                "conversation_full",
+                f"The conversation holds at most {limits.max_items} items and "
+                f"{limits.max_conversation_chars} characters; delete some items.",
+                event_id=event_id,
+            )
 
     def _not_found(self, item_id: str, param: str, event_id: str | None) -> p.ProtocolError:
         return p.ProtocolError(
@@ -302,6 +317,8 @@ class Session:
                 f"At most {limit} out-of-band responses may run at once per session.",
                 event_id=event.event_id,
             )
+        if not params.out_of_band:
+            self._check_room(event.event_id)
         response = self._new_response(params)
         if not self.scheduler.submit(response.job):
             raise p.ProtocolError(
@@ -316,6 +333,7 @@ class Session:
         self._responses[response.job] = response
         if not params.out_of_band:
             self._in_conversation = response
+            response.previous_item_id = self.conversation.last_id()
             self.conversation.insert(Item(response.item_id, "assistant", "", "in_progress"))
         self._put_response_opening(response)
 
@@ -381,6 +399,8 @@ class Session:
         item = p.message_item(r.item_id, "assistant", "", "in_progress")
         item["content"] = []
         put(ev("response.output_item.added", response_id=r.id, output_index=0, item=item))
+        if not r.out_of_band:
+            put(ev("conversation.item.added", previous_item_id=r.previous_item_id, item=item))
         put(
             ev(
                 "response.content_part.added",
@@ -423,9 +443,7 @@ class Session:
         item_status = _ITEM_STATUS.get(outcome.status, "incomplete")
         if not r.out_of_band:
             self._in_conversation = None
-            item = self.conversation.get(r.item_id)
-            if item is not None:
-                item.text, item.status = text, item_status
+            self.conversation.finish(r.item_id, text, item_status)
         if outcome.error is not None:
             error_type = (
                 "invalid_request_error"
@@ -441,6 +459,9 @@ class Session:
         put(ev("response.content_part.done", **ids, part={"type": "text", "text": text}))
         item_json = p.message_item(r.item_id, "assistant", text, item_status)
         put(ev("response.output_item.done", response_id=r.id, output_index=0, item=item_json))
+        if not r.out_of_band:
+            previous = r.previous_item_id
+            put(ev("conversation.item.done", previous_item_id=previous, item=item_json))
         details = self._status_details(outcome)
         usage = p.usage_json(outcome.usage)
         body = self._response_json(r, outcome.status, details, [item_json], usage)

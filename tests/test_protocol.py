@@ -206,3 +206,22 @@ def test_random_events_decode_or_raise_protocol_error(
         p.decode(frame)
     except p.ProtocolError as error:
         assert error.code and error.message
+
+
+def test_the_session_object_the_server_sends_can_be_sent_back() -> None:
+    echoed = {
+        "type": "realtime",
+        "object": "realtime.session",
+        "id": "sess_1",
+        "model": "m",
+        "output_modalities": ["text"],
+        "instructions": "unset",  # an ordinary string, not the "field absent" marker
+        "tools": [],
+        "tool_choice": "auto",
+        "tracing": None,
+    }
+    event = p.decode(json.dumps({"type": "session.update", "session": echoed}))
+    assert isinstance(event, p.SessionUpdate)
+    assert event.patch.instructions == "unset"
+    error = err(json.dumps({"type": "session.update", "session": {"tools": [{"name": "f"}]}}))
+    assert (error.code, error.param) == ("unsupported_tools", "session.tools")

@@ -75,19 +75,23 @@ async def test_a_response_emits_the_realtime_sequence_and_is_stored(h: Harness) 
     await h.send({"type": "response.create"})
     events = await h.until("response.done")
     types = [e["type"] for e in events]
-    assert types[:3] == [
+    n = types.count("response.output_text.delta")
+    assert types == [
         "response.created",
         "response.output_item.added",
+        "conversation.item.added",  # the assistant item joins the conversation...
         "response.content_part.added",
-    ]
-    assert types[-4:] == [
+        *["response.output_text.delta"] * n,
         "response.output_text.done",
         "response.content_part.done",
         "response.output_item.done",
+        "conversation.item.done",  # ...and is finished there before the response is done
         "response.done",
     ]
+    assert events[2]["previous_item_id"] == added["item"]["id"]
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
-    assert deltas == events[-4]["text"]
+    text_done = events[types.index("response.output_text.done")]["text"]
+    assert deltas == text_done == events[-2]["item"]["content"][0]["text"]
     response = events[-1]["response"]
     assert response["status"] == "completed"
     assert response["usage"]["output_tokens"] == 12
@@ -211,3 +215,36 @@ async def test_engine_failure_ends_failed_with_an_error() -> None:
     h.session.close()
     await h.task
     await engine.close()
+
+
+async def test_the_conversation_is_bounded_by_items_and_text() -> None:
+    engine = SimEngine(step_ms=0, response_tokens=2)
+    await engine.start()
+    scheduler = Scheduler(engine, max_running=2, max_queued=2)
+    limits = SessionLimits(max_items=3, max_conversation_chars=100)
+    h = Harness(Session(scheduler, Outbox(), limits=limits), engine)
+    await h.next()
+    await h.send(user("x" * 101))
+    assert (await h.next())["error"]["code"] == "conversation_full"
+    for _ in range(3):  # answers count too: three turns fill the three items
+        await h.send({"type": "response.create"})
+        await h.until("response.done")
+    await h.send({"type": "response.create", "event_id": "fourth"})
+    error = (await h.next())["error"]
+    assert (error["code"], error["event_id"]) == ("conversation_full", "fourth")
+    assert len(h.session.conversation) == 3
+    # Out-of-band responses store nothing, so they still run.
+    await h.send({"type": "response.create", "response": {"conversation": "none"}})
+    assert (await h.until("response.done"))[-1]["response"]["status"] == "completed"
+    h.session.close()
+    await h.task
+    await engine.close()
+
+
+async def test_events_after_close_are_dropped_not_waited_on(h: Harness) -> None:
+    h.session.close()
+    await asyncio.wait_for(h.task, 1)
+    # A reader still delivering a burst after the actor ended must never block.
+    async with asyncio.timeout(1):
+        for _ in range(10 * h.session.limits.max_unhandled_events):
+            await h.send({"type": "response.cancel"})

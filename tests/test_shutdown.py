@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import socket
@@ -74,6 +75,43 @@ async def test_sigterm_ends_responses_and_exits_zero() -> None:
         async with asyncio.timeout(10):
             assert await proc.wait() == 0
         assert time.monotonic() - started < 5
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_sigterm_while_a_client_floods_and_never_reads() -> None:
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "--engine", "sim", "--port", str(port),
+    )  # fmt: skip
+    try:
+        await wait_ready(port)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        ws = await connect(f"ws://127.0.0.1:{port}/v1/realtime", sock=sock, max_queue=1)
+        frame = json.dumps({"type": "response.cancel"})
+        flooding = True
+
+        async def flood() -> None:
+            with contextlib.suppress(ConnectionClosed, OSError):
+                while flooding:
+                    for _ in range(50):
+                        await ws.send(frame)
+                    await asyncio.sleep(0)
+
+        flooder = asyncio.create_task(flood())
+        await asyncio.sleep(0.3)  # let the gateway's inbox and socket buffers fill
+        proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        async with asyncio.timeout(15):
+            assert await proc.wait() == 0
+        assert time.monotonic() - started < 10
+        flooding = False
+        ws.transport.abort()
+        await flooder
     finally:
         if proc.returncode is None:
             proc.kill()
