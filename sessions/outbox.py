@@ -16,6 +16,12 @@ from dataclasses import dataclass, field
 
 from gateway.protocol import JSON, encode, event
 
+# Rough memory costs, so the byte cap means memory: a pending delta's event fields,
+# and each merged piece of text (a str object and its list slot).
+_DELTA_OVERHEAD = 160
+_PART_OVERHEAD = 64
+_MAX_PARTS = 256
+
 
 @dataclass(slots=True)
 class _PendingDelta:
@@ -67,10 +73,6 @@ class Outbox:
         self._closed = False
         self.stats = OutboxStats()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def __len__(self) -> int:
         return len(self._pending)
 
@@ -92,12 +94,15 @@ class Outbox:
         pending = self._open.get(response_id) if self._coalesce else None
         if pending is not None:
             pending.parts.append(text)
-            self._bytes += len(text)
+            self._bytes += len(text) + _PART_OVERHEAD
+            if len(pending.parts) >= _MAX_PARTS:  # one string, not thousands of small ones
+                self._bytes -= _PART_OVERHEAD * (len(pending.parts) - 1)
+                pending.parts = ["".join(pending.parts)]
             self._check_limits()
             return
         pending = _PendingDelta(response_id, item_id, [text])
         self._open[response_id] = pending
-        self._append(pending, len(text) + 160)
+        self._append(pending, len(text) + _DELTA_OVERHEAD)
 
     def close(self, code: int = 1000, reason: str = "") -> None:
         """Send what is pending, then have the writer close with ``code``."""
@@ -129,7 +134,8 @@ class Outbox:
         # Taking a delta ends its mergeability: later text goes into a new frame.
         if self._open.get(entry.response_id) is entry:
             del self._open[entry.response_id]
-        self._bytes -= sum(map(len, entry.parts)) + 160
+        self._bytes -= sum(map(len, entry.parts)) + _PART_OVERHEAD * (len(entry.parts) - 1)
+        self._bytes -= _DELTA_OVERHEAD
         self.stats.delta_frames_out += 1
         return entry.encode(), True
 
