@@ -14,8 +14,10 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 
@@ -161,6 +163,157 @@ async def test_cancel_mid_stream_stops_within_a_token(engine: LlamaCppEngine) ->
     assert engine.tokens_after_cancel - before <= 2
     assert len(seen) < 10  # nowhere near the 200-token budget
     assert engine.busy_slots == 0  # the slot is back as soon as the task ends
+
+
+def filler(words: int, start: int) -> Message:
+    """A long user message; ``start`` changes its first word, so no two share a cached prefix."""
+    vocabulary = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota")
+    return Message("user", " ".join(vocabulary[(start + 4 * i) % 9] for i in range(words)))
+
+
+async def test_cancel_or_close_during_prefill_stops_within_a_prompt_batch() -> None:
+    # Its own engine with small prompt batches: a ~450-token prompt takes 14 of them.
+    eng = LlamaCppEngine(bundled_model_path(), ctx=CTX, slots=1, threads=THREADS, prefill_batch=32)
+    await eng.start()
+    prefilling = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    on_chunk = eng._on_chunk
+
+    def spy(generation: Any, chunk: dict[str, Any]) -> bool:
+        if (chunk.get("prompt_progress") or {}).get("processed"):
+            loop.call_soon_threadsafe(prefilling.set)
+        return on_chunk(generation, chunk)
+
+    eng._on_chunk = spy  # type: ignore[method-assign]
+
+    async def wait_for_prefill(bound: float) -> None:
+        # Progress reports are what lets a cancel in; the bound only guards against none.
+        prefilling.clear()
+        try:
+            async with asyncio.timeout(bound):
+                await prefilling.wait()
+        except TimeoutError:
+            pass
+
+    try:
+        # Uncancelled: how long this prompt's prefill takes here and now.
+        began = time.perf_counter()
+        ttft = 0.0
+        deltas: list[TextDelta] = []
+        done: Finished | None = None
+        async with asyncio.timeout(60):
+            async for event in eng.stream(ask(SYSTEM, filler(300, 0), tokens=4)):
+                if isinstance(event, TextDelta):
+                    ttft = ttft or time.perf_counter() - began
+                    deltas.append(event)
+                else:
+                    done = event
+        # The progress reports never show as text, nor bend the counts.
+        assert done is not None and deltas and all(d.text for d in deltas)
+        assert done.usage.output_tokens == sum(d.tokens for d in deltas) == 4
+        assert done.usage.input_tokens > 350 and done.usage.cached_tokens < 50
+
+        # Cancelled while the prompt is being evaluated, before any token.
+        seen: list[StreamEvent] = []
+
+        async def consume() -> None:
+            async for event in eng.stream(ask(SYSTEM, filler(300, 1), tokens=4)):
+                seen.append(event)
+
+        task = asyncio.create_task(consume())
+        await wait_for_prefill(ttft / 5)
+        cancelled_at = time.perf_counter()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        took = time.perf_counter() - cancelled_at
+        assert seen == []
+        assert took < ttft / 2, f"a cancel in prefill took {took:.2f} s, the prefill {ttft:.2f} s"
+        assert eng.busy_slots == 0
+
+        # close() during prefill ends the stream as soon, then frees the model.
+        stream = eng.stream(ask(SYSTEM, filler(300, 2), tokens=4))
+        first = asyncio.create_task(anext(stream))
+        await wait_for_prefill(ttft / 5)
+        closing_at = time.perf_counter()
+        async with asyncio.timeout(60):
+            await eng.close()
+        took = time.perf_counter() - closing_at
+        with pytest.raises(EngineError) as caught:
+            await first
+        assert caught.value.code == "engine_closed"
+        assert took < ttft / 2, f"close() in prefill took {took:.2f} s, the prefill {ttft:.2f} s"
+    finally:
+        await eng.close()
+
+
+async def test_an_error_while_handling_a_chunk_fails_the_answer(
+    engine: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    on_chunk = engine._on_chunk
+    texts = 0
+
+    def breaks_at_the_third_token(generation: Any, chunk: dict[str, Any]) -> bool:
+        nonlocal texts
+        if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()):
+            texts += 1
+            if texts == 3:
+                raise ValueError("boom in the chunk handler")
+        return on_chunk(generation, chunk)
+
+    monkeypatch.setattr(engine, "_on_chunk", breaks_at_the_third_token)
+    events: list[StreamEvent] = []
+    with pytest.raises(EngineError) as caught:
+        async with asyncio.timeout(30):
+            async for event in engine.stream(ask(SYSTEM, Message("user", STORIES[0]), tokens=60)):
+                events.append(event)
+    # Not a short answer reported as complete: no Finished, and the cause is named.
+    assert caught.value.code == "engine_error"
+    assert "boom in the chunk handler" in caught.value.message
+    assert isinstance(caught.value.__cause__, ValueError)
+    assert len(events) == 2 and all(isinstance(e, TextDelta) for e in events)
+    assert texts == 3  # llama.cpp was stopped at once
+    assert engine.busy_slots == 0
+
+
+async def test_cancelled_again_while_stopping_keeps_the_slot_until_the_worker_ends(
+    engine: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loop = asyncio.get_running_loop()
+    on_chunk = engine._on_chunk
+    stopping = asyncio.Event()  # the worker saw the cancel and is held there
+    release = threading.Event()
+
+    def slow_to_stop(generation: Any, chunk: dict[str, Any]) -> bool:
+        if generation.cancelled.is_set() and not release.is_set():
+            loop.call_soon_threadsafe(stopping.set)
+            release.wait(30)
+        return on_chunk(generation, chunk)
+
+    monkeypatch.setattr(engine, "_on_chunk", slow_to_stop)
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in engine.stream(ask(SYSTEM, Message("user", STORIES[1]), tokens=200)):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    try:
+        async with asyncio.timeout(30):
+            await started.wait()
+            task.cancel()
+            await stopping.wait()  # the worker still holds llama.cpp's slot...
+            task.cancel()  # ...when the consumer is cancelled a second time
+            await asyncio.wait({task}, timeout=0.2)
+            assert not task.done()
+            assert engine.busy_slots == 1
+    finally:
+        release.set()
+    async with asyncio.timeout(30):
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert engine.busy_slots == 0
+    assert not any(t.name == "llamacpp-r" for t in threading.enumerate())
 
 
 async def test_four_streams_progress_together(engine: LlamaCppEngine) -> None:

