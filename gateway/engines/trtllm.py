@@ -12,6 +12,13 @@ A thin adapter over exactly these calls (TensorRT-LLM 1.x):
 - ``request_output.abort()`` is fire-and-forget; the engine drops the request within an
   iteration or two and frees its KV cache blocks. Whenever the stream is left before the
   request finished (task cancelled, generator closed, error), ``abort()`` is called.
+- ``llm.shutdown()`` joins the MPI workers, so it runs on a thread. It queues aborts for the
+  requests still running but does not promise them a final output: :meth:`TrtllmEngine.close`
+  ends its own streams first (``engine_closed``), so no consumer waits on a dead executor.
+
+Blocking calls (loading, shutting down) each run on a thread of their own that the call
+joins; ``close()`` also joins any such thread a cancelled ``start()`` left running, so no
+thread of the engine outlives it.
 
 ``tensorrt_llm`` is imported only in :meth:`TrtllmEngine.start`; ``add_arguments`` and
 ``from_args`` never import it, so the gateway runs without it for the other engines.
@@ -21,15 +28,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import concurrent.futures
 import importlib
 import importlib.util
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from gateway.engines.base import (
     ContextOverflowError,
@@ -48,6 +55,7 @@ from gateway.engines.base import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 INSTALL_HINT = (
     "the trtllm engine needs NVIDIA TensorRT-LLM: on a machine with an NVIDIA GPU run "
@@ -166,6 +174,8 @@ class TrtllmEngine(Engine):
         self._abandoned = False
         self._max_seq_len = 0
         self._prompt_limit = 0
+        self._threads: set[threading.Thread] = set()  # started by _in_thread, not yet joined
+        self._live: set[_LiveStream] = set()  # streams between generate_async and their end
 
     @property
     def capacity(self) -> int:
@@ -189,14 +199,18 @@ class TrtllmEngine(Engine):
             log.info("trtllm: loading %s (this can take minutes)", self.settings.model)
         heartbeat = asyncio.create_task(self._log_while_loading(began))
         try:
-            await asyncio.to_thread(self._load)
+            try:
+                await self._in_thread(self._load, "load")
+            finally:
+                heartbeat.cancel()
+                # asyncio.wait never raises the heartbeat's own cancellation, so a cancel
+                # of start() that lands here still propagates, and is handled below.
+                await asyncio.wait((heartbeat,))
         except asyncio.CancelledError:
-            self._abandon()
+            await self._abandon()
             raise
-        finally:
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
+        if self._llm is None:  # close() ran while the model was loading
+            raise EngineError("engine_closed", "the TensorRT-LLM engine was closed while loading")
         self._max_seq_len = self._resolve_max_seq_len()
         self._prompt_limit = min(self._max_seq_len - 1, self._max_num_tokens())
         self._ready = True
@@ -224,12 +238,49 @@ class TrtllmEngine(Engine):
         log.info("trtllm: start was cancelled during loading; shutting the model down")
         llm.shutdown()
 
-    def _abandon(self) -> None:
+    async def _abandon(self) -> None:
+        """Keep no LLM: one loaded already is shut down, one still loading shuts itself down."""
         with self._load_lock:
             self._abandoned = True
             llm, self._llm = self._llm, None
         if llm is not None:  # loaded just before the cancel landed
-            llm.shutdown()
+            await self._in_thread(llm.shutdown, "shutdown")
+
+    async def _in_thread(self, fn: Callable[[], T], name: str) -> T:
+        """Run blocking ``fn`` on a thread of its own, joined once it has handed back its result.
+
+        Not ``asyncio.to_thread``: the default executor's threads outlive the call. If the
+        caller is cancelled the work (which cannot be interrupted) still completes on its
+        thread; that thread stays in ``_threads`` and :meth:`close` joins it.
+        """
+        # wrap_future hands the outcome to the loop, and drops it if that loop is gone.
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                done.set_result(fn())
+            except BaseException as exc:
+                done.set_exception(exc)
+
+        thread = threading.Thread(target=run, name=f"trtllm-{name}", daemon=True)
+        self._threads.add(thread)
+        thread.start()
+        value = await asyncio.shield(asyncio.wrap_future(done))
+        thread.join()  # it has handed over its result: only its exit is left
+        self._threads.discard(thread)
+        return value
+
+    async def _join_threads(self) -> None:
+        """Wait, off the loop, for threads whose callers were cancelled (a load, a shutdown)."""
+        while leftovers := list(self._threads):
+            log.info("trtllm: waiting for %s to finish", ", ".join(t.name for t in leftovers))
+
+            def join_all(threads: list[threading.Thread] = leftovers) -> None:
+                for thread in threads:
+                    thread.join()
+
+            await self._in_thread(join_all, "join")
+            self._threads.difference_update(leftovers)
 
     def _build(self, trtllm: Any, llmapi: Any) -> Any:
         s = self.settings
@@ -272,10 +323,22 @@ class TrtllmEngine(Engine):
         return int(value)
 
     async def close(self) -> None:
+        """End every stream with ``engine_closed``, shut the LLM down, join every thread.
+
+        The streams are ended here, before ``llm.shutdown()``: shutting down queues aborts
+        but the workers may quit before answering them, so a consumer still waiting on a
+        ``RequestOutput`` would wait forever. Their aborts are sent from here too, so that
+        nothing but the shutdown thread talks to the executor once it runs.
+        """
         self._ready = False
-        llm, self._llm = self._llm, None
+        for live in list(self._live):
+            live.close()
+        with self._load_lock:
+            self._abandoned = True  # a load still running shuts its LLM down itself
+            llm, self._llm = self._llm, None
         if llm is not None:
-            await asyncio.to_thread(llm.shutdown)
+            await self._in_thread(llm.shutdown, "shutdown")
+        await self._join_threads()
 
     def describe(self) -> dict[str, object]:
         return {
@@ -295,20 +358,30 @@ class TrtllmEngine(Engine):
         )
         return prompt
 
-    def count_tokens(self, messages: Sequence[Message]) -> int:
+    def render_and_count(self, messages: Sequence[Message]) -> tuple[str, int]:
+        """The prompt and its length in tokens, from one rendering and one encoding."""
+        prompt = self.render(messages)
         # add_special_tokens=False: the template already holds BOS where the model wants it.
-        ids = self._llm.tokenizer.encode(self.render(messages), add_special_tokens=False)
-        return len(ids)
+        return prompt, len(self._llm.tokenizer.encode(prompt, add_special_tokens=False))
+
+    def count_tokens(self, messages: Sequence[Message]) -> int:
+        return self.render_and_count(messages)[1]
 
     def _fit(self, request: GenerationRequest) -> tuple[str, int]:
-        """Drop old turns until prompt + answer reserve fit; return (prompt, its tokens)."""
+        """Drop old turns until prompt + answer reserve fit; return (prompt, its tokens).
+
+        Rendering and encoding run on the event loop, so each candidate is rendered once:
+        the last rendering is kept, and it is the prompt sent when it fits. A request that
+        needs no trimming renders its prompt exactly once.
+        """
         budget = request.sampling.max_output_tokens
         reserve = min(budget or DEFAULT_ANSWER_RESERVE, self._max_seq_len // 2)
         limit = min(self._max_seq_len - reserve, self._prompt_limit)
-        messages, dropped = fit_to_context(request.messages, self.count_tokens, limit)
+        last = _LastRendering(self.render_and_count)
+        messages, dropped = fit_to_context(request.messages, last.count, limit)
         if dropped:
             log.info("trtllm: %s dropped %d old turns to fit", request.request_id, dropped)
-        return self.render(messages), self.count_tokens(messages)
+        return last.get(messages)
 
     def _sampling_params(self, sampling: SamplingParams, prompt_tokens: int) -> Any:
         """Every field explicit: TensorRT-LLM defaults to 32 tokens and greedy decoding."""
@@ -338,10 +411,12 @@ class TrtllmEngine(Engine):
             output = self._llm.generate_async(prompt, params, streaming=True)
         except Exception as exc:
             raise EngineError("engine_error", f"TensorRT-LLM refused the request: {exc}") from exc
+        live = _LiveStream(output, request.request_id, asyncio.get_running_loop().create_future())
+        self._live.add(live)  # no await since generate_async: close() cannot have missed it
         held = _StopHoldback(tuple(request.sampling.stop))
         finished = False
         try:
-            async for out in output:
+            while (out := await live.next_output()) is not None:
                 completion = out.outputs[0]
                 if completion.finish_reason is None:
                     if text := held.feed(completion.text):
@@ -357,20 +432,86 @@ class TrtllmEngine(Engine):
         except Exception as exc:
             raise EngineError("engine_error", f"TensorRT-LLM failed: {exc}") from exc
         finally:
+            self._live.discard(live)
             # Cancelled task, closed generator or error: the request must not run on.
-            if not finished and not output.finished:
-                _abort(output, request.request_id)
+            if not finished:
+                live.abort()
         raise EngineError("engine_error", "TensorRT-LLM ended the stream without a finish reason")
 
 
-def _abort(output: Any, request_id: str) -> None:
-    """Fire-and-forget; an error here must not hide the cancellation that led to it."""
+CLOSED_MESSAGE = "the TensorRT-LLM engine was closed during the answer"
+
+
+@dataclass(eq=False, slots=True)
+class _LiveStream:
+    """One request's ``RequestOutput`` and the future :meth:`TrtllmEngine.close` sets."""
+
+    output: Any
+    request_id: str
+    closed: asyncio.Future[None]
+    aborted: bool = field(default=False)
+
+    async def next_output(self) -> Any:
+        """The next update of the output, None at its end; ``engine_closed`` once closed.
+
+        Waiting on the output alone could last forever once the engine is closed, so each
+        wait races the ``closed`` future (a task per update: microseconds, per token).
+        """
+        if self.closed.done():
+            raise EngineError("engine_closed", CLOSED_MESSAGE)
+        step = asyncio.ensure_future(_pull(self.output))
+        try:
+            await asyncio.wait((step, self.closed), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not step.done():  # our task was cancelled, or the engine closed
+                step.cancel()
+        if not step.done():
+            raise EngineError("engine_closed", CLOSED_MESSAGE)
+        return step.result()
+
+    def close(self) -> None:
+        """From close(): abort the request while the executor still runs; wake the stream."""
+        self.abort()
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def abort(self) -> None:
+        """Fire-and-forget, once; an error here must not hide the cancellation behind it."""
+        if self.aborted or self.output.finished:
+            return
+        self.aborted = True
+        try:
+            self.output.abort()
+        except Exception:  # e.g. the executor is already shut down: nothing runs any more
+            log.warning("trtllm: abort of %s failed", self.request_id, exc_info=True)
+        else:
+            log.debug("trtllm: aborted %s", self.request_id)
+
+
+async def _pull(output: Any) -> Any:
+    """``anext(output)`` as a coroutine for a task, with None for the end of the output."""
     try:
-        output.abort()
-    except Exception:  # e.g. the executor is already shut down: nothing runs any more
-        log.warning("trtllm: abort of %s failed", request_id, exc_info=True)
-    else:
-        log.debug("trtllm: aborted %s", request_id)
+        return await output.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+class _LastRendering:
+    """``render_and_count`` that remembers its latest call, for :func:`fit_to_context`."""
+
+    def __init__(self, render_and_count: Callable[[Sequence[Message]], tuple[str, int]]) -> None:
+        self._render_and_count = render_and_count
+        self._messages: tuple[Message, ...] | None = None
+        self._rendering = ("", 0)
+
+    def get(self, messages: Sequence[Message]) -> tuple[str, int]:
+        key = tuple(messages)
+        if key != self._messages:
+            self._messages, self._rendering = key, self._render_and_count(key)
+        return self._rendering
+
+    def count(self, messages: Sequence[Message]) -> int:
+        return self.get(messages)[1]
 
 
 def _finish_reason(reason: str) -> FinishReason:

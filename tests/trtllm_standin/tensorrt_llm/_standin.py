@@ -43,8 +43,9 @@ class RequestRecord:
     streaming: bool
     aborted: bool = False
     tokens_after_abort: int = 0
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # None if the engine shut down while it ran
     generated: int = 0
+    abort_requested: bool = False  # abort() was called (``aborted``: the engine acted on it)
 
 
 @dataclass
@@ -53,6 +54,8 @@ class Stats:
     llm_kwargs: list[dict[str, Any]] = field(default_factory=list)
     peak_running: int = 0
     shutdowns: int = 0
+    shutdown_threads: list[threading.Thread] = field(default_factory=list)  # who shut down
+    templates_rendered: int = 0  # apply_chat_template calls, on every tokenizer
     _running: int = 0
     _cond: threading.Condition = field(default_factory=threading.Condition)
 
@@ -84,6 +87,7 @@ class Stats:
     def _add_shutdown(self) -> None:
         with self._cond:
             self.shutdowns += 1
+            self.shutdown_threads.append(threading.current_thread())
             self._cond.notify_all()
 
     def wait_requests(self, n: int, timeout: float = 5.0) -> bool:
@@ -156,6 +160,8 @@ class StandinTokenizer:
         tokenize: bool = True,
         **_: Any,
     ) -> str | list[int]:
+        with stats._cond:
+            stats.templates_rendered += 1
         text = BOS + "".join(f"<|{m['role']}|>\n{m['content']}{EOS}\n" for m in conversation)
         if add_generation_prompt:
             text += "<|assistant|>\n"
@@ -185,6 +191,11 @@ class StepEngine:
     Requests wait in a queue and join the running batch when a slot is free (in-flight
     batching up to ``max_batch_size``). ``abort()`` only records a wish; the step after the
     one that observes it removes the request and posts a final "cancelled" output.
+
+    ``shutdown()`` is as unforgiving as the real one: TensorRT-LLM's ``pre_shutdown`` queues
+    aborts and tells the workers to quit, and the result thread stops once they have, so a
+    request still running may never get a final output. Here it never does; and ``abort()``
+    after shutdown raises, as the real one does on its closed request queue.
     """
 
     def __init__(self, tokenizer: StandinTokenizer, max_batch_size: int, block_reuse: bool) -> None:
@@ -210,7 +221,12 @@ class StepEngine:
 
     def abort(self, request_id: int) -> None:
         with self._cond:
+            if self._stopped:
+                raise RuntimeError("the executor is shut down: its request queue is closed")
             self._abort_ids.add(request_id)
+            for active in self._waiting + self._running:
+                if active.record.request_id == request_id:
+                    active.record.abort_requested = True
             self._cond.notify()
 
     def cached_prefix(self, prompt_ids: list[int]) -> int:
@@ -238,8 +254,8 @@ class StepEngine:
         with self._cond:
             leftovers = self._waiting + self._running
             self._waiting, self._running = [], []
-        for active in leftovers:
-            self._finish(active, "cancelled", [])
+        # No final output for these: their consumers wait for one that never comes.
+        stats._add_running(-len(leftovers))
 
     # -- the engine thread -------------------------------------------------------------
     def _run(self) -> None:
