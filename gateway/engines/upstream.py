@@ -182,9 +182,15 @@ class UpstreamEngine(Engine):
     # -- lifecycle -------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open a connection pool per replica, probe them all once, then keep probing."""
+        """Open a connection pool per replica, probe them all once, then keep probing.
+
+        A second call (also one made while the first still probes) does nothing:
+        it must not open a second set of pools or a second health task.
+        """
         import httpx
 
+        if any(r.client is not None for r in self.replicas):
+            return
         quiet_httpx_logs()
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         for replica in self.replicas:
@@ -255,10 +261,10 @@ class UpstreamEngine(Engine):
     async def _check(self, replica: Replica) -> str | None:
         """None if the replica answers its health route; else why not."""
         assert replica.client is not None
-        response = await replica.client.get(replica.health_path, timeout=PROBE_TIMEOUT)
+        response = await _get(replica.client, replica.health_path)
         if response.status_code == 404 and replica.health_path == "/health":
             replica.health_path = "/v1/models"  # no /health here: the model list will do
-            response = await replica.client.get(replica.health_path, timeout=PROBE_TIMEOUT)
+            response = await _get(replica.client, replica.health_path)
         if response.status_code != 200:
             return f"GET {replica.health_path} answered {response.status_code}"
         return None
@@ -266,12 +272,12 @@ class UpstreamEngine(Engine):
     async def _discover(self, replica: Replica) -> None:
         """Learn the slot count (llama.cpp's /props) and the served model, where offered."""
         assert replica.client is not None
-        props = await replica.client.get("/props", timeout=PROBE_TIMEOUT)
+        props = await _get(replica.client, "/props")
         slots = _json_field(props, "total_slots")
         if isinstance(slots, int) and slots > 0:
             replica.slots = slots
         if self.model is None:
-            models = _json_field(await replica.client.get("/v1/models", timeout=PROBE_TIMEOUT))
+            models = _json_field(await _get(replica.client, "/v1/models"))
             data = models.get("data") if isinstance(models, dict) else None
             if isinstance(data, list) and data and isinstance(data[0], dict):
                 replica.model = str(data[0].get("id")) if data[0].get("id") else None
@@ -288,6 +294,7 @@ class UpstreamEngine(Engine):
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
         tried: list[Replica] = []
+        self._check_ready()
         while (replica := self.router.choose(request.affinity_key, tried)) is not None:
             tried.append(replica)
             sent_text = False
@@ -302,6 +309,9 @@ class UpstreamEngine(Engine):
                         yield event
                 return
             except _ReplicaFailed as exc:
+                # close() closed the pools under this stream: not the replica's fault,
+                # and there is nothing to retry on.
+                self._check_ready(exc)
                 if exc.down:
                     self._mark_down(replica, exc.reason)
                 if sent_text:
@@ -320,23 +330,39 @@ class UpstreamEngine(Engine):
         detail = f"{len(tried)} tried, all failed" if tried else "none is healthy"
         raise EngineError("upstream_unavailable", f"no upstream server could answer ({detail})")
 
+    def _check_ready(self, cause: Exception | None = None) -> None:
+        """Before the first attempt and each retry: not started, or close() began."""
+        if not self._ready:
+            raise EngineError(
+                "engine_not_ready", "the upstream engine is not running (not started, or closing)"
+            ) from cause
+
     async def _generate(
         self, replica: Replica, request: GenerationRequest
     ) -> AsyncGenerator[StreamEvent, None]:
         """One attempt on one replica; transport trouble becomes :class:`_ReplicaFailed`."""
         import httpx
 
-        assert replica.client is not None
-        body = orjson.dumps(self._body(replica, request))
-        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        client = replica.client
+        if client is None:  # stream() checks readiness first; this guards the use itself
+            raise EngineError(
+                "engine_not_ready", "the upstream engine is not running (not started, or closing)"
+            )
+        post = client.build_request(
+            "POST",
+            COMPLETIONS_PATH,
+            content=orjson.dumps(self._body(replica, request)),
+            headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
+        )
         try:
-            async with replica.client.stream(
-                "POST", COMPLETIONS_PATH, content=body, headers=headers
-            ) as response:
+            response = await _send(client, post, stream=True)
+            try:
                 if response.status_code != 200:
                     raise _status_error(response.status_code, await response.aread())
                 async for event in _events(response):
                     yield event
+            finally:
+                await response.aclose()  # pools the connection only if the body was read to its end
         except httpx.HTTPError as exc:
             raise _ReplicaFailed(_describe_error(exc)) from exc
 
@@ -363,16 +389,49 @@ class UpstreamEngine(Engine):
 # -- the wire format ---------------------------------------------------------------
 
 
+async def _send(
+    client: httpx.AsyncClient, request: httpx.Request, *, stream: bool
+) -> httpx.Response:
+    """Send ``request``; once more if the server dropped the connection without answering.
+
+    A kept-alive connection can be closed by the server just as it is reused:
+    uvicorn (vLLM, SGLang, trtllm-serve) closes idle ones after 5 s, and
+    llama.cpp closes every one after a streamed answer although it announces
+    keep-alive. The request then fails before any byte of a response came back,
+    which says nothing about the replica; the pool has dropped that connection,
+    so the second try goes out on another. A replica that is really gone fails
+    that one too (a refused connection), and only then counts as down.
+    """
+    import httpx
+
+    try:
+        return await client.send(request, stream=stream)
+    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+        log.debug("upstream %s dropped a connection unanswered (%s)", request.url, exc)
+        return await client.send(request, stream=stream)
+
+
+async def _get(client: httpx.AsyncClient, path: str) -> httpx.Response:
+    return await _send(
+        client, client.build_request("GET", path, timeout=PROBE_TIMEOUT), stream=False
+    )
+
+
 async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
     """Server-sent ``chat.completion.chunk`` events -> deltas, then one Finished.
 
-    The Finished comes after the body is read to its end (``[DONE]``), so the
-    connection goes back to the pool instead of being closed.
+    The Finished comes only after the body is read to its very end: ``[DONE]``
+    is followed by the chunked terminator, and a response left before that is
+    closed with its connection instead of returning it to the pool (a new TCP
+    connection per generation).
     """
     reason: FinishReason | None = None
     usage: Usage | None = None
     deltas = 0
+    done = False
     async for line in response.aiter_lines():
+        if done:
+            continue  # nothing is expected after [DONE]; read on to the end of the body
         name, _, payload = line.partition(":")
         payload = payload.strip()
         if name == "error":  # llama.cpp reports a failed generation this way
@@ -380,7 +439,8 @@ async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
         if name != "data":
             continue  # blank separators, comments (": ping"), event names
         if payload == "[DONE]":
-            break
+            done = True
+            continue
         chunk = _parse_chunk(payload)
         if isinstance(chunk.get("error"), dict):
             raise _chunk_error(chunk["error"], started=deltas > 0)
@@ -391,10 +451,33 @@ async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
                 deltas += 1
                 yield TextDelta(text)
             if choice.get("finish_reason"):
-                reason = "length" if choice["finish_reason"] == "length" else "stop"
+                reason = _finish_reason(choice["finish_reason"])
     if reason is None:
         raise _ReplicaFailed("the stream ended without a finish reason")
     yield Finished(reason, usage or Usage(0, deltas))
+
+
+FINISH_REASONS: dict[str, FinishReason] = {
+    "stop": "stop",
+    "length": "length",
+    "tool_calls": "stop",  # the model ended its turn (the gateway sends no tools)
+    "content_filter": "stop",  # the server ended the answer on purpose
+}
+
+
+def _finish_reason(raw: object) -> FinishReason:
+    """An OpenAI finish reason, or :class:`_ReplicaFailed` for anything else.
+
+    vLLM and SGLang end a request they dropped (engine error, preemption,
+    shutdown) with ``"abort"``, others with ``"error"``: the answer was cut off,
+    so it must not be reported as completed.
+    """
+    reason = FINISH_REASONS.get(raw) if isinstance(raw, str) else None
+    if reason is None:
+        raise _ReplicaFailed(
+            f"the server ended the generation with finish_reason {raw!r}", down=False
+        )
+    return reason
 
 
 def _parse_chunk(payload: str) -> dict[str, Any]:
