@@ -71,7 +71,8 @@ class AsyncChat:
         self._read_lock = asyncio.Lock()
         self._turn_lock = asyncio.Lock()
         self._waiters: list[_Waiter] = []
-        self._active: AsyncStream | None = None
+        self._active: AsyncStream | None = None  # the answer asked for, until it ends
+        self._starting: AsyncStream | None = None  # a question being sent, not yet answered
         # Cancels that may race with the answer's natural end: the gateway then answers
         # with an error that concerns nobody any more. Such an error comes right after the
         # answer's end, so remembering the last few cancels is enough (and stays bounded).
@@ -154,8 +155,8 @@ class AsyncChat:
         return AsyncStream(self, text, options)
 
     async def cancel(self) -> Reply | None:
-        """Stop the answer in progress, if any, and return its (cancelled) reply."""
-        active = self._active
+        """Stop the answer in progress (or the question being sent), if any; returns its reply."""
+        active = self._starting or self._active
         return await active.cancel() if active is not None else None
 
     @property
@@ -165,10 +166,32 @@ class AsyncChat:
     # -- turns ------------------------------------------------------------------------
 
     async def _begin_turn(self, stream: AsyncStream) -> None:
-        """Add the user message, then ask for the answer. The caller holds the turn lock."""
-        previous = self._active
-        if previous is not None and not previous.finished:
-            await previous.cancel()  # left unfinished by its reader: a new question wins
+        """Add the user message, then ask for the answer. The caller holds the turn lock.
+
+        ``stream.cancel()`` may run while this waits (another task): it then only waits for
+        this to notice, at one of the checks below, and nothing more is sent for the stream.
+        """
+        self._starting = stream
+        try:
+            previous = self._active
+            if previous is not None and not previous.finished:
+                await previous.cancel()  # left unfinished by its reader: a new question wins
+            if stream._cancelled:
+                stream._finish_unsent()
+                return
+            await self._add_user_message(stream.text)
+            if stream._cancelled:
+                # The question stays in the conversation, unanswered; no response.create
+                # went out, so there is nothing for the gateway to stop.
+                stream._finish_unsent()
+                return
+            stream._response_event_id = event_id = self._ids.event()
+            self._active = stream  # from here on, cancel() sends response.cancel
+        finally:
+            self._starting = None
+        await self._send(events.response_create(event_id, stream.options))
+
+    async def _add_user_message(self, text: str) -> None:
         item_id = self._ids.item()
 
         def is_our_item(event: JSON) -> bool:
@@ -179,12 +202,9 @@ class AsyncChat:
                 and item.get("id") == item_id
             )
 
-        await self._request(
-            events.user_message(self._ids.event(), item_id, stream.text), is_our_item
-        )
-        stream._response_event_id = self._ids.event()
-        self._active = stream
-        await self._send(events.response_create(stream._response_event_id, stream.options))
+        # Only our own item's done: the gateway also announces the answers' assistant items
+        # with conversation.item.added/done, which must not be taken for this acknowledgement.
+        await self._request(events.user_message(self._ids.event(), item_id, text), is_our_item)
 
     async def _send_cancel(self, response_id: str | None) -> None:
         eid = self._ids.event()
@@ -294,6 +314,7 @@ class AsyncStream:
         self._error: BaseException | None = None
         self._error_raised = False
         self._finished = False
+        self._ended = asyncio.Event()
 
     @property
     def reply(self) -> Reply | None:
@@ -348,6 +369,12 @@ class AsyncStream:
             self._finish_unsent()
             return None
         if self._finished:
+            return self._reply
+        if self._response_event_id is None:
+            # Another task is still sending the question: it sees ``_cancelled`` before
+            # sending response.create and ends the stream. Pumping here instead could block
+            # in recv() after the last event this turn will ever get.
+            await self._ended.wait()
             return self._reply
         await self._chat._send_cancel(self.response_id)
         await self._chat._pump(lambda: self._finished)
@@ -420,6 +447,7 @@ class AsyncStream:
 
     def _end(self) -> None:
         self._finished = True
+        self._ended.set()
         if self._chat._active is self:
             self._chat._active = None
 

@@ -106,17 +106,19 @@ class Repl:
             self.chat.close()
 
     def handle(self, line: str) -> None:
+        """One line: a command or a question. A failed one is reported and the REPL goes on."""
         if not line:
             return
-        if line.startswith("/"):
-            self.command(line)
-            return
         try:
-            stream_answer(self.chat, line, sys.stdout)
+            if line.startswith("/"):
+                self.command(line)
+            else:
+                stream_answer(self.chat, line, sys.stdout)
         except ClientError as exc:
             print(f"error: {exc}", file=sys.stderr)
             if self.chat.closed:
                 self.reconnect()
+                print("(reconnected: new conversation)", file=sys.stderr)
 
     def command(self, line: str) -> None:
         name, _, rest = line.partition(" ")
@@ -124,8 +126,8 @@ class Repl:
             self.reconnect()
             print("(new conversation)", file=sys.stderr)
         elif name == "/system":
+            self.chat.update(instructions=rest.strip())  # refused: the old ones stay
             self.options["instructions"] = rest.strip()
-            self.chat.update(instructions=rest.strip())
             print(
                 "(instructions set)" if rest.strip() else "(instructions cleared)", file=sys.stderr
             )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import weakref
 from collections.abc import Coroutine, Iterator
 from types import TracebackType
 from typing import Any, TypeVar, Unpack
@@ -28,23 +29,45 @@ T = TypeVar("T")
 
 
 class _LoopThread:
-    """An event loop on its own daemon thread, and a blocking way to run coroutines on it."""
+    """An event loop on its own daemon thread, and a blocking way to run coroutines on it.
+
+    The thread itself finishes the loop's leftover tasks and closes the loop once the loop is
+    stopped, so :meth:`stop` works from any thread, the loop's own included (where a garbage
+    collection may run a chat's finalizer).
+    """
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
+        self._stopping = False
         self._thread = threading.Thread(target=self._serve, name="gateway-client", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
+        try:
+            self.loop.run_forever()
+            self.loop.run_until_complete(self._drain())
+        finally:
+            self.loop.close()
+
+    async def _drain(self) -> None:
+        current = asyncio.current_task()
+        leftovers = [t for t in asyncio.all_tasks() if t is not current]
+        for task in leftovers:
+            task.cancel()
+        await asyncio.gather(*leftovers, return_exceptions=True)
+        await self.loop.shutdown_asyncgens()
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the private loop and wait for it; interrupting the wait cancels it."""
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("a sync chat cannot be used from its own loop thread")
-        if self.loop.is_closed():
+        if self._stopping or self.loop.is_closed():
             coro.close()
             raise ClientError("this chat is closed")
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -56,24 +79,30 @@ class _LoopThread:
             future.cancel()
             raise
 
-    def stop(self) -> None:
-        """Finish the loop's leftover tasks, stop it and join the thread."""
-        if self.loop.is_closed():
+    def stop(self, last: Coroutine[Any, Any, Any] | None = None) -> None:
+        """Run ``last`` (if given), stop the loop, and join the thread unless called on it.
+
+        The loop's thread then cancels the leftover tasks and closes the loop.
+        """
+        if self._stopping:
+            if last is not None:
+                last.close()
             return
+        self._stopping = True
 
-        async def drain() -> None:
-            current = asyncio.current_task()
-            leftovers = [t for t in asyncio.all_tasks() if t is not current]
-            for task in leftovers:
-                task.cancel()
-            await asyncio.gather(*leftovers, return_exceptions=True)
-            await self.loop.shutdown_asyncgens()
+        async def finish() -> None:
+            try:
+                if last is not None:
+                    await last
+            finally:
+                self.loop.stop()
 
-        if self._thread.is_alive():
-            asyncio.run_coroutine_threadsafe(drain(), self.loop).result()
-            self.loop.call_soon_threadsafe(self.loop.stop)
+        try:
+            asyncio.run_coroutine_threadsafe(finish(), self.loop)
+        except RuntimeError:  # the loop is closed already
+            return
+        if threading.current_thread() is not self._thread:
             self._thread.join()
-        self.loop.close()
 
 
 class SyncStream:
@@ -83,8 +112,9 @@ class SyncStream:
     cancels the answer on the gateway; the exception then propagates.
     """
 
-    def __init__(self, runner: _LoopThread, stream: AsyncStream) -> None:
-        self._runner = runner
+    def __init__(self, chat: SyncChat, stream: AsyncStream) -> None:
+        self._chat = chat  # keeps the chat, and so its loop, alive while the stream is used
+        self._runner = chat._runner
         self._stream = stream
 
     def __iter__(self) -> Iterator[str]:
@@ -121,11 +151,17 @@ async def _next(stream: AsyncStream) -> str:
 
 
 class SyncChat:
-    """One conversation, blocking calls. See :class:`gateway.client.aio.AsyncChat`."""
+    """One conversation, blocking calls. See :class:`gateway.client.aio.AsyncChat`.
+
+    Close it (``with`` or :meth:`close`). One that is garbage-collected unclosed (a notebook
+    cell run again) hangs up and stops its thread then, instead of leaving both behind.
+    """
 
     def __init__(self, runner: _LoopThread, chat: AsyncChat) -> None:
         self._runner = runner
         self._chat = chat
+        # The finalizer must not hold ``self``: it gets only the runner and the connection.
+        self._finalizer = weakref.finalize(self, _close_unreferenced, runner, chat)
 
     @property
     def session(self) -> JSON:
@@ -145,7 +181,7 @@ class SyncChat:
 
     def stream(self, text: str, **options: Unpack[ResponseOptions]) -> SyncStream:
         """``for delta in chat.stream(text): print(delta, end="", flush=True)``."""
-        return SyncStream(self._runner, self._chat.stream(text, **options))
+        return SyncStream(self, self._chat.stream(text, **options))
 
     def update(self, **options: Unpack[SessionOptions]) -> JSON:
         """Change session settings (instructions, sampling...); returns the updated session."""
@@ -157,8 +193,9 @@ class SyncChat:
 
     def close(self) -> None:
         """Close the connection and stop the private loop thread."""
+        self._finalizer.detach()
         try:
-            if not self._runner.loop.is_closed():
+            with contextlib.suppress(ClientError):  # closed already
                 self._runner.run(self._chat.close())
         finally:
             self._runner.stop()
@@ -173,6 +210,26 @@ class SyncChat:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+HANG_UP_S = 2.0
+"""How long a garbage-collected chat waits for the gateway to confirm the close."""
+
+
+def _close_unreferenced(runner: _LoopThread, chat: AsyncChat) -> None:
+    """The finalizer of an unclosed :class:`SyncChat`: hang up, then stop its loop thread.
+
+    It may run on any thread, the loop's own included, and at interpreter exit.
+    """
+
+    async def hang_up() -> None:
+        try:
+            async with asyncio.timeout(HANG_UP_S):
+                await chat.close()
+        except TimeoutError:
+            chat._ws.transport.abort()  # the gateway treats it as a dropped connection
+
+    runner.stop(hang_up())
 
 
 def connect_sync(
