@@ -79,7 +79,6 @@ _STATUS_REASON: dict[str, dict[str, Any]] = {
     "completed": {"type": "completed"},
     "incomplete": {"type": "incomplete", "reason": "max_output_tokens"},
 }
-_ITEM_STATUS = {"completed": "completed"}  # every other ending leaves the item incomplete
 
 
 class Session:
@@ -440,7 +439,8 @@ class Session:
     def _job_done(self, job: Job, outcome: Outcome) -> None:
         r = self._responses.pop(job)
         text = outcome.text
-        item_status = _ITEM_STATUS.get(outcome.status, "incomplete")
+        # Every ending but a natural one leaves the item incomplete.
+        item_status = "completed" if outcome.status == "completed" else "incomplete"
         if not r.out_of_band:
             self._in_conversation = None
             self.conversation.finish(r.item_id, text, item_status)

@@ -23,7 +23,6 @@ class Harness:
         self.session = session
         self.engine = engine
         self.task = asyncio.get_running_loop().create_task(session.run())
-        self.closed: CloseRequest | None = None
 
     async def send(self, event: dict[str, Any]) -> None:
         await self.session.deliver(p.decode(orjson.dumps(event).decode()))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 from types import ModuleType
 
 from gateway.engines.base import Engine
@@ -24,17 +23,12 @@ ENGINES: dict[str, str] = {
 DEFAULT_ENGINE = "llamacpp"
 
 
-def available() -> list[str]:
-    """Engines whose module exists in this build (dependencies are checked at start)."""
-    return [name for name, mod in ENGINES.items() if importlib.util.find_spec(mod) is not None]
-
-
 def _module(name: str) -> ModuleType:
     return importlib.import_module(ENGINES[name])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    for name in available():
+    for name in ENGINES:
         _module(name).add_arguments(parser.add_argument_group(f"{name} engine"))
 
 

@@ -134,6 +134,11 @@ class Engine(abc.ABC):
         return {}
 
 
+def chat_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
+    """The messages as OpenAI-style chat dicts, the shape chat templates and servers take."""
+    return [{"role": m.role, "content": m.text} for m in messages]
+
+
 def fit_to_context(
     messages: Sequence[Message],
     count_tokens: Callable[[Sequence[Message]], int],

@@ -50,6 +50,7 @@ from gateway.engines.base import (
     StreamEvent,
     TextDelta,
     Usage,
+    chat_messages,
     fit_to_context,
 )
 
@@ -184,7 +185,7 @@ class _LoopbackApi:
 
     def count_tokens(self, messages: Sequence[Message]) -> int:
         """Tokens of the prompt llama.cpp builds for ``messages`` (chat template included)."""
-        prompt = self.post("/apply-template", {"messages": _chat_messages(messages)})["prompt"]
+        prompt = self.post("/apply-template", {"messages": chat_messages(messages)})["prompt"]
         # The same flags llama.cpp uses when it tokenizes a chat prompt.
         body = {"content": prompt, "add_special": True, "parse_special": True}
         return len(self.post("/tokenize", body)["tokens"])
@@ -475,7 +476,7 @@ class LlamaCppEngine(Engine):
     def _body(self, generation: _Generation, messages: Sequence[Message]) -> dict[str, Any]:
         sampling = generation.request.sampling
         body: dict[str, Any] = {
-            "messages": _chat_messages(messages),
+            "messages": chat_messages(messages),
             "stream": True,
             "stream_options": {"include_usage": True},
             "id_slot": generation.slot,
@@ -522,10 +523,6 @@ class LlamaCppEngine(Engine):
         tokens, generation.decoded = max(1, decoded - generation.decoded), decoded
         # The loop is gone (emit failed): nobody is listening, stop generating.
         return not generation.emit(TextDelta(text, tokens))
-
-
-def _chat_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.text} for m in messages]
 
 
 def _usage(generation: _Generation) -> Usage:

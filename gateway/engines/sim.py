@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import random
 import re
 from collections import deque
@@ -224,7 +225,7 @@ class SimEngine(Engine):
         """One engine iteration: drop aborted streams, one token for each of the batch."""
         self.steps += 1
         self._streams = deque(s for s in self._streams if not s.aborted)
-        for stream in list(self._streams)[: self.max_batch]:
+        for stream in itertools.islice(self._streams, self.max_batch):  # _advance never resizes it
             self._advance(stream)
 
     def _advance(self, stream: _Stream) -> None:

@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gateway.engines.base import (
@@ -51,6 +51,7 @@ from gateway.engines.base import (
     StreamEvent,
     TextDelta,
     Usage,
+    chat_messages,
     fit_to_context,
 )
 
@@ -352,9 +353,8 @@ class TrtllmEngine(Engine):
     # -- prompts -----------------------------------------------------------------------
     def render(self, messages: Sequence[Message]) -> str:
         """The model's own chat template, ending where the assistant's answer begins."""
-        chat = [{"role": m.role, "content": m.text} for m in messages]
         prompt: str = self._llm.tokenizer.apply_chat_template(
-            chat, add_generation_prompt=True, tokenize=False
+            chat_messages(messages), add_generation_prompt=True, tokenize=False
         )
         return prompt
 
@@ -411,12 +411,12 @@ class TrtllmEngine(Engine):
             output = self._llm.generate_async(prompt, params, streaming=True)
         except Exception as exc:
             raise EngineError("engine_error", f"TensorRT-LLM refused the request: {exc}") from exc
-        live = _LiveStream(output, request.request_id, asyncio.get_running_loop().create_future())
+        live = _LiveStream(output, request.request_id, asyncio.current_task())
         self._live.add(live)  # no await since generate_async: close() cannot have missed it
         held = _StopHoldback(tuple(request.sampling.stop))
         finished = False
         try:
-            while (out := await live.next_output()) is not None:
+            async for out in output:
                 completion = out.outputs[0]
                 if completion.finish_reason is None:
                     if text := held.feed(completion.text):
@@ -427,6 +427,13 @@ class TrtllmEngine(Engine):
                     yield TextDelta(text)
                 yield Finished(_finish_reason(completion.finish_reason), _usage(out, completion))
                 return
+        except asyncio.CancelledError:
+            if not live.closed:
+                raise
+            # close() cancelled us: that was the engine ending, not the consumer giving up.
+            if live.task is not None:
+                live.task.uncancel()
+            raise EngineError("engine_closed", CLOSED_MESSAGE) from None
         except EngineError:
             raise
         except Exception as exc:
@@ -444,36 +451,24 @@ CLOSED_MESSAGE = "the TensorRT-LLM engine was closed during the answer"
 
 @dataclass(eq=False, slots=True)
 class _LiveStream:
-    """One request's ``RequestOutput`` and the future :meth:`TrtllmEngine.close` sets."""
+    """One request's ``RequestOutput`` and the task iterating it, for :meth:`TrtllmEngine.close`."""
 
     output: Any
     request_id: str
-    closed: asyncio.Future[None]
-    aborted: bool = field(default=False)
-
-    async def next_output(self) -> Any:
-        """The next update of the output, None at its end; ``engine_closed`` once closed.
-
-        Waiting on the output alone could last forever once the engine is closed, so each
-        wait races the ``closed`` future (a task per update: microseconds, per token).
-        """
-        if self.closed.done():
-            raise EngineError("engine_closed", CLOSED_MESSAGE)
-        step = asyncio.ensure_future(_pull(self.output))
-        try:
-            await asyncio.wait((step, self.closed), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not step.done():  # our task was cancelled, or the engine closed
-                step.cancel()
-        if not step.done():
-            raise EngineError("engine_closed", CLOSED_MESSAGE)
-        return step.result()
+    task: asyncio.Task[Any] | None
+    closed: bool = False
+    aborted: bool = False
 
     def close(self) -> None:
-        """From close(): abort the request while the executor still runs; wake the stream."""
+        """From close(): abort the request while the executor still runs, then wake the
+        stream by cancelling its task (waiting on the output alone could last forever);
+        the stream turns that cancel into ``engine_closed``. No per-token cost."""
         self.abort()
-        if not self.closed.done():
-            self.closed.set_result(None)
+        if self.closed:
+            return
+        self.closed = True
+        if self.task is not None and self.task is not asyncio.current_task():
+            self.task.cancel()
 
     def abort(self) -> None:
         """Fire-and-forget, once; an error here must not hide the cancellation behind it."""
@@ -486,14 +481,6 @@ class _LiveStream:
             log.warning("trtllm: abort of %s failed", self.request_id, exc_info=True)
         else:
             log.debug("trtllm: aborted %s", self.request_id)
-
-
-async def _pull(output: Any) -> Any:
-    """``anext(output)`` as a coroutine for a task, with None for the end of the output."""
-    try:
-        return await output.__anext__()
-    except StopAsyncIteration:
-        return None
 
 
 class _LastRendering:

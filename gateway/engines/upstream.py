@@ -48,6 +48,7 @@ from gateway.engines.base import (
     StreamEvent,
     TextDelta,
     Usage,
+    chat_messages,
 )
 
 if TYPE_CHECKING:
@@ -369,7 +370,7 @@ class UpstreamEngine(Engine):
     def _body(self, replica: Replica, request: GenerationRequest) -> dict[str, Any]:
         s = request.sampling
         body: dict[str, Any] = {
-            "messages": [{"role": m.role, "content": m.text} for m in request.messages],
+            "messages": chat_messages(request.messages),
             "stream": True,
             "stream_options": {"include_usage": True},
         }
