@@ -22,7 +22,14 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from gateway.engines.base import Engine, EngineError, Finished, GenerationRequest, Usage
+from gateway.engines.base import (
+    Engine,
+    EngineError,
+    Finished,
+    GenerationRequest,
+    TextDelta,
+    Usage,
+)
 from gateway.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -216,6 +223,8 @@ class Scheduler:
                 if isinstance(item, Finished):
                     status: Status = "completed" if item.reason == "stop" else "incomplete"
                     return Outcome(status, "".join(job.parts), item.usage)
+                if not isinstance(item, TextDelta):
+                    continue  # tool calls: not handled by this scheduler yet
                 now = time.perf_counter()
                 if job.parts:
                     metrics.inter_token.observe(now - job.last_token_at)

@@ -11,20 +11,51 @@ llama.cpp: the stream callback returns ``True``; sim: dropped at the next step).
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
 
-FinishReason = Literal["stop", "length"]
-"""Why a generation ended on its own: natural end / stop sequence, or the token budget."""
+FinishReason = Literal["stop", "length", "tool_calls"]
+"""Why a generation ended on its own: natural end / stop sequence, the token budget, or the
+model ended its turn by calling tools."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A function call the model made: ``arguments`` is its JSON text, as generated."""
+
+    call_id: str
+    name: str
+    arguments: str
 
 
 @dataclass(frozen=True, slots=True)
 class Message:
+    """One turn of the conversation as an engine sees it.
+
+    ``assistant`` turns may carry the tool calls the model made (``text`` may then be
+    empty); a ``tool`` turn is the output of one call, ``tool_call_id`` says which.
+    """
+
     role: Role
     text: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    """A function the model may call; ``parameters`` is a JSON Schema object."""
+
+    name: str
+    description: str = ""
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+
+
+ToolChoice = Literal["auto", "none", "required"] | str
+"""``auto``, ``none``, ``required``, or the name of the one function the model must call."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +75,8 @@ class GenerationRequest:
     messages: tuple[Message, ...]  # instructions, if any, are the first system message
     sampling: SamplingParams = field(default_factory=SamplingParams)
     affinity_key: str | None = None  # the conversation, for prefix-cache / slot reuse
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,12 +97,24 @@ class TextDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of a function call's arguments. The first piece of each call (by ``index``,
+    counted from 0 within the response) carries its ``call_id`` and ``name``."""
+
+    index: int
+    arguments: str
+    call_id: str | None = None
+    name: str | None = None
+    tokens: int = 1
+
+
+@dataclass(frozen=True, slots=True)
 class Finished:
     reason: FinishReason
     usage: Usage
 
 
-StreamEvent = TextDelta | Finished
+StreamEvent = TextDelta | ToolCallDelta | Finished
 
 
 class EngineError(Exception):
