@@ -22,7 +22,15 @@ import urllib.request
 from pathlib import Path
 
 import gateway.client
-from gateway.engines.base import GenerationRequest, Message, SamplingParams, TextDelta, Usage
+from gateway.engines.base import (
+    Finished,
+    GenerationRequest,
+    Message,
+    SamplingParams,
+    TextDelta,
+    Usage,
+)
+from gateway.engines.driver import EngineDriver
 from gateway.engines.llamacpp import DEFAULT_CTX, DEFAULT_SLOTS, LlamaCppEngine, bundled_model_path
 
 SYSTEM = Message("system", "You are a helpful assistant.")
@@ -35,7 +43,7 @@ PROMPTS = [
 
 
 async def generate(
-    engine: LlamaCppEngine, request: GenerationRequest
+    engine: EngineDriver, request: GenerationRequest
 ) -> tuple[float, float, str, Usage]:
     """(seconds to first token, seconds in all, text, usage) of one generation."""
     began = time.perf_counter()
@@ -46,7 +54,7 @@ async def generate(
         if isinstance(event, TextDelta):
             first = first or time.perf_counter() - began
             text.append(event.text)
-        else:
+        elif isinstance(event, Finished):
             usage = event.usage
     return first, time.perf_counter() - began, "".join(text), usage
 
@@ -57,7 +65,7 @@ def request(i: int, prompt: str, tokens: int) -> GenerationRequest:
     return GenerationRequest(f"bench-{i}", (SYSTEM, Message("user", prompt)), sampling, f"c{i}")
 
 
-async def throughput(engine: LlamaCppEngine, streams: int, tokens: int) -> None:
+async def throughput(engine: EngineDriver, streams: int, tokens: int) -> None:
     began = time.perf_counter()
     results = await asyncio.gather(
         *(generate(engine, request(i, PROMPTS[i % len(PROMPTS)], tokens)) for i in range(streams))
@@ -73,7 +81,7 @@ async def throughput(engine: LlamaCppEngine, streams: int, tokens: int) -> None:
     )
 
 
-async def multi_turn(engine: LlamaCppEngine, turns: int) -> None:
+async def multi_turn(engine: EngineDriver, turns: int) -> None:
     history: list[Message] = [SYSTEM]
     line = []
     for turn in range(turns):
@@ -144,10 +152,11 @@ async def main() -> None:
     await engine.start()
     print(f"model {engine.model_name}: loaded in {time.perf_counter() - began:.2f} s")
     try:
-        await generate(engine, request(99, "Hello!", 8))  # warm-up
-        await throughput(engine, 1, args.tokens)
-        await throughput(engine, args.slots, args.tokens)
-        await multi_turn(engine, 6)
+        async with EngineDriver(engine) as driver:
+            await generate(driver, request(99, "Hello!", 8))  # warm-up
+            await throughput(driver, 1, args.tokens)
+            await throughput(driver, args.slots, args.tokens)
+            await multi_turn(driver, 6)
     finally:
         await engine.close()
     process, url = start_gateway(args)

@@ -8,7 +8,7 @@ window is the same in every worker and in the parent that samples the server's C
 
 Two targets speak the same turns: ``("ws", url)`` (the gateway, or the bare
 websockets server, over the Realtime protocol) and ``("engine", params)`` (the
-SimEngine in the worker process itself, ``engine.stream`` iterated directly: the
+SimEngine in the worker process itself, driven directly (EngineDriver): the
 bare-engine baseline, no network, no gateway).
 
 Every loop is bounded: by the window, by ``max_turns`` per session, and by
@@ -225,7 +225,7 @@ class WsSession:
 
 
 class EngineSession:
-    """The bare-engine baseline: the same turns straight into ``engine.stream``."""
+    """The bare-engine baseline: the same turns straight into the engine (an EngineDriver)."""
 
     def __init__(self, engine: Any, index: int) -> None:
         from gateway.engines.base import Message
@@ -241,7 +241,7 @@ class EngineSession:
     async def turn(
         self, w: Workload, win: Window, tally: Tally, rng: random.Random, record: bool
     ) -> None:
-        from gateway.engines.base import Finished, GenerationRequest, Message
+        from gateway.engines.base import Finished, GenerationRequest, Message, TextDelta
 
         self.turns += 1
         self.messages.append(
@@ -261,6 +261,8 @@ class EngineSession:
                     status = "completed" if item.reason == "stop" else "incomplete"
                     tokens = item.usage.output_tokens
                     break
+                if not isinstance(item, TextDelta):
+                    continue  # the prompt's token count
                 turn.parts.append(item.text)
                 if t in win:
                     tally.frames += 1
@@ -301,12 +303,19 @@ async def _open_sessions(
 ) -> tuple[list[Any], Callable[[], Awaitable[None]]]:
     kind, arg = target
     if kind == "engine":
+        from gateway.engines.driver import EngineDriver
         from gateway.engines.sim import SimEngine
 
         engine = SimEngine(**arg)
         await engine.start()
+        driver = await EngineDriver(engine).__aenter__()
         tally.connected = len(indices)
-        return [EngineSession(engine, i) for i in indices], engine.close
+
+        async def close() -> None:
+            await driver.__aexit__(None, None, None)
+            await engine.close()
+
+        return [EngineSession(driver, i) for i in indices], close
 
     gate = asyncio.Semaphore(64)  # handshakes in flight per worker
 

@@ -191,10 +191,14 @@ class Metrics:
             "Time a response waited for an engine slot.",
             _LATENCY_BUCKETS,
         )
-        self.cancel_latency = self._histogram(
-            "gateway_cancel_to_done_seconds",
-            "From a cancel to the end of the response.",
+        self.abort_latency = self._histogram(
+            "gateway_abort_confirm_seconds",
+            "From a cancel to the engine letting go of the request (its slot is free again).",
             _GAP_BUCKETS,
+        )
+        self.generation_timeouts = self._counter(
+            "gateway_generation_timeouts_total",
+            "Responses failed by the watchdog: no progress for --generation-timeout seconds.",
         )
         self.deltas = self._counter("gateway_deltas_total", "Text deltas produced by the engine.")
         self.output_tokens = self._counter(
@@ -206,6 +210,10 @@ class Metrics:
             "Frames carrying text deltas (fewer than deltas when coalescing).",
         )
         self.bytes_out = self._counter("gateway_bytes_sent_total", "Payload bytes sent.")
+        self.stalled = self._counter(
+            "gateway_stalled_connections_total",
+            "Connections closed (1008) because the client read nothing for --stall-timeout.",
+        )
         self.errors = self._counter(
             "gateway_error_events_total", "Error events sent, by code.", ["code"]
         )

@@ -508,8 +508,9 @@ def encode(event: JSON) -> bytes:
 
 
 def event(event_type: str, **fields: Any) -> JSON:
-    """Any server event: its ``type``, a fresh ``event_id`` and the given fields."""
-    return {"type": event_type, "event_id": new_id("event"), **fields}
+    """Any server event: its ``type`` and the given fields. The session's outbox adds
+    ``event_id`` and ``sequence_number`` when it writes the event."""
+    return {"type": event_type, **fields}
 
 
 def error_event(err: ProtocolError) -> JSON:

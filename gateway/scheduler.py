@@ -1,21 +1,34 @@
-"""Admission to the one shared engine, and fan-out of its streams.
+"""Admission to the one shared engine, and fan-out of everything it produces.
 
 The scheduler is the only code that talks to the engine. It admits at most
 ``max_running`` jobs, keeps at most ``max_queued`` waiting, refuses the rest at
 once, and picks the next job fairly across sessions (FIFO within one), so
 a session firing a batch of out-of-band responses cannot starve the others.
 
-Admission is synchronous (in :meth:`submit` and when a job ends) rather than a
-wake-up of a separate task: everything runs on one event loop thread, so the
+One central task (:meth:`Scheduler._fan_out_loop`) drains the engine's output
+channel: each wake-up takes everything the engine produced since the last one
+(a whole step for every running request) and hands each piece to the owning
+session in one pass. No task runs per job, and a token costs no wake-up of its
+own. Admission is synchronous (in :meth:`submit` and when a job ends) rather
+than a wake-up of that task: everything runs on one event loop thread, so the
 scheduler is still the single owner of the queue, and a response starts
-without an extra loop hop. Each running job gets one consumer task that
-iterates ``engine.stream``; cancelling that task is how the engine is told to
-abort (the stream's ``finally`` runs inside the engine adapter).
+without an extra loop hop.
+
+A cancel ends its job at once (the session sends ``response.done`` without
+waiting for the engine), asks the engine to abort, and admits the next job:
+for at most one engine step, until the engine confirms with the request's
+terminal output, the engine holds one request more than ``max_running``
+(every engine queues what exceeds its batch). Counting the slot busy until
+then would refuse a client's next question as ``overloaded`` right after its
+own cancel. The watchdog fails a job that has made no progress for
+``generation_timeout`` seconds and frees its slot whether or not the engine
+ever confirms.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter, deque
@@ -27,7 +40,11 @@ from gateway.engines.base import (
     EngineError,
     Finished,
     GenerationRequest,
+    Output,
+    PromptTokens,
+    StepOutput,
     TextDelta,
+    ToolCallDelta,
     Usage,
 )
 from gateway.metrics import Metrics
@@ -54,6 +71,8 @@ class JobSink(Protocol):
 
     def on_delta(self, job: Job, text: str) -> None: ...
 
+    def on_tool_call_delta(self, job: Job, delta: ToolCallDelta) -> None: ...
+
     def on_finish(self, job: Job, outcome: Outcome) -> None: ...
 
 
@@ -65,33 +84,52 @@ class Job:
     state: Literal["new", "queued", "running", "done"] = "new"
     parts: list[str] = field(default_factory=list)
     output_tokens: int = 0
-    task: asyncio.Task[None] | None = None
+    input_tokens: int = 0  # known once the engine reports the prompt's tokens
+    cached_tokens: int = 0
     cancel_reason: CancelReason | None = None
     submitted_at: float = 0.0
     started_at: float = 0.0
-    last_token_at: float = 0.0
-    cancel_at: float = 0.0
+    last_token_at: float = 0.0  # also the watchdog's "last progress"
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
 
 class Scheduler:
     def __init__(
-        self, engine: Engine, *, max_running: int, max_queued: int, metrics: Metrics | None = None
+        self,
+        engine: Engine,
+        *,
+        max_running: int,
+        max_queued: int,
+        metrics: Metrics | None = None,
+        generation_timeout: float = 0.0,
     ) -> None:
         self.engine = engine
         self.max_running = max_running
         self.max_queued = max_queued
         self.metrics = metrics or Metrics()
-        self._running: set[Job] = set()
+        self.generation_timeout = generation_timeout  # 0: no watchdog
+        self._running: dict[str, Job] = {}  # by request id: the jobs that get output
+        self._draining: dict[str, float] = {}  # aborted, engine not yet confirmed: since when
         self._queues: dict[str, deque[Job]] = {}  # waiting jobs per session, FIFO each
         self._queued = 0
         self._running_by_session: Counter[str] = Counter()
         self._last_served: dict[str, int] = {}
         self._served = 0
         self._closing = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._all_confirmed: asyncio.Event | None = None  # close() waits on it
 
     @property
     def running(self) -> int:
         return len(self._running)
+
+    @property
+    def draining(self) -> int:
+        """Aborted requests the engine has not confirmed yet (each for at most a step)."""
+        return len(self._draining)
 
     @property
     def queued(self) -> int:
@@ -113,12 +151,10 @@ class Scheduler:
         return True
 
     def cancel(self, job: Job, reason: CancelReason) -> None:
-        """Stop ``job``. Its sink's ``on_finish`` runs exactly once: now if it was
-        queued, or when the engine stream has unwound if it was running."""
-        if job.state in ("done", "new") or job.cancel_reason is not None:
+        """Stop ``job``; its sink's ``on_finish`` runs now, exactly once."""
+        if job.state in ("done", "new"):
             return
         job.cancel_reason = reason
-        job.cancel_at = time.perf_counter()
         if job.state == "queued":
             queue = self._queues[job.session_key]
             queue.remove(job)
@@ -126,27 +162,42 @@ class Scheduler:
                 del self._queues[job.session_key]
             self._queued -= 1
             self._forget_if_idle(job.session_key)
-            self._finish(job, Outcome("cancelled", "", Usage(0, 0), cancel_reason=reason))
+            self._finish(job, self._partial(job, "cancelled"))
             self._update_gauges()
-        elif job.task is not None:
-            job.task.cancel()
+            return
+        # Running: the engine confirms at its next step.
+        self._draining[job.request_id] = time.perf_counter()
+        self.engine.abort(job.request_id)
+        self._end(job, self._partial(job, "cancelled"))
 
     def drain(self) -> None:
         """Refuse new work and start nothing more; what runs goes on."""
         self._closing = True
 
-    async def close(self) -> None:
-        """Refuse new work, cancel everything, and wait until the engine is idle."""
+    async def close(self, confirm_timeout: float = 5.0) -> None:
+        """Refuse new work, cancel everything, wait (a bounded time) until the engine has
+        let go of every request, and stop the fan-out task."""
         self.drain()
         for queue in list(self._queues.values()):
             for job in list(queue):
                 self.cancel(job, "server_shutdown")
-        tasks = [job.task for job in self._running if job.task is not None]
-        for job in list(self._running):
+        for job in list(self._running.values()):
             self.cancel(job, "server_shutdown")
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._draining and self._tasks:
+            self._all_confirmed = asyncio.Event()
+            try:
+                async with asyncio.timeout(confirm_timeout):
+                    await self._all_confirmed.wait()
+            except TimeoutError:
+                log.warning("scheduler: the engine still holds %d aborted requests", self.draining)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
 
-    # -- internals ---------------------------------------------------------
+    # -- admission -----------------------------------------------------------
 
     def _admit(self) -> None:
         while self._queues and len(self._running) < self.max_running:
@@ -172,42 +223,115 @@ class Scheduler:
             self._last_served.pop(session_key, None)
 
     def _start(self, job: Job) -> None:
+        if not self._tasks:
+            self._start_tasks()
         job.state = "running"
         job.started_at = job.last_token_at = time.perf_counter()
         self.metrics.queue_wait.observe(job.started_at - job.submitted_at)
-        self._running.add(job)
+        self._running[job.request_id] = job
         self._running_by_session[job.session_key] += 1
-        job.task = asyncio.get_running_loop().create_task(
-            self._consume(job), name=f"job-{job.request.request_id}"
-        )
-        # A task cancelled before its first step never runs its body: the done
-        # callback ends such a job, so every job still ends exactly once.
-        job.task.add_done_callback(lambda _: self._end_unstarted(job))
+        self.engine.submit(job.request)
 
-    async def _consume(self, job: Job) -> None:
-        try:
-            outcome = await self._stream(job)
-        except asyncio.CancelledError:
-            # Our own cancel (response.cancel, disconnect, shutdown): the engine
-            # stream was closed on the way out, which aborted the generation.
-            self._end(job, self._partial(job, "cancelled"))
-            raise
-        except EngineError as exc:
-            outcome = self._partial(job, "failed", exc)
-        except Exception as exc:  # an engine bug must not take the gateway down
-            log.exception("engine stream for %s crashed", job.request.request_id)
-            outcome = self._partial(job, "failed", EngineError("engine_error", str(exc)))
-        self._end(job, outcome)
+    def _start_tasks(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._fan_out_loop(), name="scheduler-fan-out"))
+        if self.generation_timeout > 0:
+            self._tasks.append(loop.create_task(self._watchdog(), name="scheduler-watchdog"))
 
-    def _end_unstarted(self, job: Job) -> None:
-        if job.state != "done":
-            self._end(job, self._partial(job, "cancelled"))
-        # Break job -> task -> CancelledError -> traceback -> frame -> job: left to the
-        # cycle collector, thousands of cancels a second cost 45 ms full collections.
-        job.task = None
+    # -- fan-out: the one task that reads the engine ------------------------------
+
+    async def _fan_out_loop(self) -> None:
+        outputs = self.engine.outputs
+        while True:
+            batch = await outputs.get()
+            try:
+                self._fan_out(batch)
+            except Exception:  # a bug here must not stop every stream for good
+                log.exception("scheduler: fan-out of %d outputs failed", len(batch))
+
+    def _fan_out(self, batch: list[StepOutput]) -> None:
+        now = time.perf_counter()
+        running, metrics = self._running, self.metrics
+        for request_id, output in batch:
+            job = running.get(request_id)
+            if job is None:
+                if isinstance(output, Finished | EngineError):
+                    self._confirmed(request_id)
+                continue  # the tail of a job that already ended (cancelled, timed out)
+            if output.__class__ is str:  # the hot path: one token of text
+                text: str = output
+                tokens = 1
+            elif isinstance(output, TextDelta):
+                text, tokens = output.text, output.tokens
+            else:
+                self._other(job, output, now)
+                continue
+            if job.parts:
+                metrics.inter_token.observe(now - job.last_token_at)
+            else:
+                metrics.ttft.observe(now - job.submitted_at)
+            job.last_token_at = now
+            job.parts.append(text)
+            job.output_tokens += tokens
+            job.sink.on_delta(job, text)
+
+    def _other(self, job: Job, output: Output, now: float) -> None:
+        """Everything but text: tool-call deltas, prompt counts, the end."""
+        if isinstance(output, ToolCallDelta):
+            job.last_token_at = now
+            job.output_tokens += output.tokens
+            job.sink.on_tool_call_delta(job, output)
+        elif isinstance(output, PromptTokens):
+            job.last_token_at = now
+            job.input_tokens, job.cached_tokens = output.input_tokens, output.cached_tokens
+        elif isinstance(output, Finished):
+            if output.reason == "cancelled":  # the engine stopped it on its own
+                error = EngineError("engine_error", "the engine stopped the generation")
+                self._end(job, self._partial(job, "failed", error))
+                return
+            status: Status = "incomplete" if output.reason == "length" else "completed"
+            self._end(job, Outcome(status, "".join(job.parts), output.usage))
+        elif isinstance(output, EngineError):
+            self._end(job, self._partial(job, "failed", output))
+
+    def _confirmed(self, request_id: str) -> None:
+        """The engine let go of an aborted request: its slot is free for the next job."""
+        since = self._draining.pop(request_id, None)
+        if since is None:
+            return
+        self.metrics.abort_latency.observe(time.perf_counter() - since)
+        if not self._draining and self._all_confirmed is not None:
+            self._all_confirmed.set()
+
+    # -- watchdog ------------------------------------------------------------------
+
+    async def _watchdog(self) -> None:
+        timeout = self.generation_timeout
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            now = time.perf_counter()
+            for job in [j for j in self._running.values() if now - j.last_token_at > timeout]:
+                log.warning(
+                    "scheduler: %s made no progress for %.1fs; failing it",
+                    job.request_id,
+                    timeout,
+                )
+                self.metrics.generation_timeouts.inc()
+                self.engine.abort(job.request_id)
+                error = EngineError(
+                    "generation_timeout",
+                    f"the engine produced nothing for {timeout:g}s; the response was stopped",
+                )
+                self._end(job, self._partial(job, "failed", error))
+            # An engine that never confirms an abort must not hold a slot for good.
+            for request_id in [r for r, t in self._draining.items() if now - t > timeout]:
+                log.warning("scheduler: the engine never confirmed aborting %s", request_id)
+                self._confirmed(request_id)
+
+    # -- ending --------------------------------------------------------------------
 
     def _end(self, job: Job, outcome: Outcome) -> None:
-        self._running.discard(job)
+        del self._running[job.request_id]
         self._running_by_session[job.session_key] -= 1
         self._forget_if_idle(job.session_key)
         self._finish(job, outcome)
@@ -215,35 +339,8 @@ class Scheduler:
             self._admit()
         self._update_gauges()
 
-    async def _stream(self, job: Job) -> Outcome:
-        sink, metrics = job.sink, self.metrics
-        stream = self.engine.stream(job.request)
-        try:
-            async for item in stream:
-                if isinstance(item, Finished):
-                    status: Status = "completed" if item.reason == "stop" else "incomplete"
-                    return Outcome(status, "".join(job.parts), item.usage)
-                if not isinstance(item, TextDelta):
-                    continue  # tool calls: not handled by this scheduler yet
-                now = time.perf_counter()
-                if job.parts:
-                    metrics.inter_token.observe(now - job.last_token_at)
-                else:
-                    metrics.ttft.observe(now - job.submitted_at)
-                job.last_token_at = now
-                job.parts.append(item.text)
-                job.output_tokens += item.tokens
-                sink.on_delta(job, item.text)
-        finally:
-            # Close the engine's generator now, in this task, even when cancelled:
-            # its cleanup is what aborts the generation in the engine.
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()
-        raise EngineError("engine_error", "the engine stream ended without a finish reason")
-
     def _partial(self, job: Job, status: Status, error: EngineError | None = None) -> Outcome:
-        usage = Usage(0, job.output_tokens)
+        usage = Usage(job.input_tokens, job.output_tokens, job.cached_tokens)
         return Outcome(status, "".join(job.parts), usage, error, job.cancel_reason)
 
     def _finish(self, job: Job, outcome: Outcome) -> None:
@@ -254,10 +351,8 @@ class Scheduler:
         m.output_tokens.inc(outcome.usage.output_tokens)
         m.deltas.inc(len(job.parts))
         m.e2e.observe(now - job.submitted_at)
-        if job.cancel_at:
-            m.cancel_latency.observe(now - job.cancel_at)
         job.sink.on_finish(job, outcome)
 
     def _update_gauges(self) -> None:
-        self.metrics.running.set(len(self._running))
+        self.metrics.running.set(self.running)
         self.metrics.queued.set(self._queued)

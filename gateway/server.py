@@ -1,9 +1,11 @@
 """The network edge: one port for the Realtime WebSocket and a few HTTP routes.
 
-Per connection three tasks run: this module's reader (frames -> decoded events
--> the session's inbox), the session actor (sessions/session.py), and this
-module's writer (the session's outbox -> the socket). Only the writer sends on
-the socket, so a slow client blocks nothing but its own writer.
+Per connection two tasks run: this module's reader (frames -> decoded events
+-> the session's inbox) and the session actor (sessions/session.py). The
+session's outbox (sessions/outbox.py) is the one path to the socket: it writes
+through a :class:`SocketWire`, straight from the caller's stack while the
+socket has room, and through a writer task of its own only while the socket
+pushes back, so a slow client blocks nothing but its own outbox.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import socket
 import time
 from collections.abc import Sequence
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
+from websockets.protocol import State
 from websockets.typing import Subprotocol
 
 from gateway import http, protocol
@@ -25,7 +29,7 @@ from gateway.config import GatewayConfig
 from gateway.engines.base import Engine
 from gateway.metrics import Metrics
 from gateway.scheduler import Scheduler
-from sessions.outbox import CloseRequest, Outbox
+from sessions.outbox import Outbox
 from sessions.session import Session, SessionConfig, SessionLimits
 
 log = logging.getLogger(__name__)
@@ -33,6 +37,7 @@ log = logging.getLogger(__name__)
 REALTIME_PATHS = ("/v1/realtime", "/v1/realtime/")
 KEY_SUBPROTOCOL = "openai-insecure-api-key."
 CLOSE_TIMEOUT = 2.0
+KERNEL_SEND_BUFFER = 64 << 10  # per connection (Linux doubles it for bookkeeping)
 
 
 class Gateway:
@@ -53,6 +58,8 @@ class Gateway:
         self._server: Server | None = None
         self._stopping = False
         self._engine_task: asyncio.Task[None] | None = None
+        self._stall_task: asyncio.Task[None] | None = None
+        self._wires: set[SocketWire] = set()  # attached to a session's outbox
         self._limits = SessionLimits(max_parallel_out_of_band=config.max_parallel_per_session)
         self._session_defaults = self._describe_sessions()
         self.started_at = time.time()
@@ -72,7 +79,9 @@ class Gateway:
             close_timeout=CLOSE_TIMEOUT,
             reuse_port=self.config.reuse_port or None,
         )
-        self._engine_task = asyncio.get_running_loop().create_task(self._start_engine())
+        loop = asyncio.get_running_loop()
+        self._engine_task = loop.create_task(self._start_engine())
+        self._stall_task = loop.create_task(self._watch_stalls(), name="stall-watch")
 
     async def _start_engine(self) -> None:
         started = time.perf_counter()
@@ -131,6 +140,8 @@ class Gateway:
                 async with asyncio.timeout(grace):
                     await server.wait_closed()
         await self.scheduler.close()
+        if self._stall_task is not None:
+            self._stall_task.cancel()
         if self._engine_task is not None and not self._engine_task.done():
             self._engine_task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -238,9 +249,11 @@ class Gateway:
         self.sessions.add(session)
         self.metrics.sessions.inc()
         self.metrics.sessions_total.inc()
-        loop = asyncio.get_running_loop()
-        actor = loop.create_task(session.run(), name=f"actor-{session.id}")
-        writer = loop.create_task(self._write(ws, outbox), name=f"writer-{session.id}")
+        actor = asyncio.get_running_loop().create_task(session.run(), name=f"actor-{session.id}")
+        _cap_kernel_send_buffer(ws)
+        wire = SocketWire(ws, self.metrics)
+        self._wires.add(wire)
+        outbox.attach(wire)
         try:
             await self._read(ws, session)
         finally:
@@ -250,16 +263,30 @@ class Gateway:
             except Exception:
                 log.exception("session %s ended with an error", session.id)
             finally:
-                # The writer ends itself after the close request; if the socket is
-                # gone or stuck, nothing it holds is worth waiting for.
+                # The outbox closes the socket after the session's last events; if the
+                # socket is gone or stuck, nothing it holds is worth waiting for.
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(0.5 if ws.close_code is not None else 2.5):
-                        await asyncio.shield(writer)
-                writer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await writer
+                        await wire.closed()
+                outbox.detach(wire)
+                self._wires.discard(wire)
+                outbox.release()
                 self.sessions.discard(session)
                 self.metrics.sessions.dec()
+
+    async def _watch_stalls(self) -> None:
+        """Close connections whose client stopped reading: see :meth:`SocketWire.check_stall`.
+
+        One task for all connections, a few checks per stall timeout: nothing per frame.
+        """
+        stall = self.config.stall_timeout
+        while True:
+            await asyncio.sleep(max(0.05, stall / 4))
+            now = time.monotonic()
+            for wire in list(self._wires):
+                if wire.check_stall(now, stall):
+                    log.info("closing a connection that read nothing for %.1fs", stall)
+                    self.metrics.stalled.inc()
 
     async def _read(self, ws: ServerConnection, session: Session) -> None:
         with contextlib.suppress(ConnectionClosed):
@@ -270,43 +297,127 @@ class Gateway:
                     event = err
                 await session.deliver(event)
 
-    async def _write(self, ws: ServerConnection, outbox: Outbox) -> None:
-        metrics, stall = self.metrics, self.config.stall_timeout
-        transport = ws.transport
-        low_water, high_water = transport.get_write_buffer_limits()
-        try:
-            while True:
-                frame = await outbox.get()
-                if isinstance(frame, CloseRequest):
-                    await _close(ws, frame.code, frame.reason)
-                    return
-                data, is_delta = frame
-                buffered = transport.get_write_buffer_size()
-                try:
-                    if buffered <= low_water and buffered + len(data) + 16 < high_water:
-                        # Cannot block: writing is not paused and this frame will not
-                        # pause it. Skipping the timer here saves ~10% CPU under load.
-                        await ws.send(data, text=True)
-                    else:
-                        async with asyncio.timeout(stall):
-                            await ws.send(data, text=True)
-                except TimeoutError:
-                    log.info("closing a connection that read nothing for %.1fs", stall)
-                    await _close(ws, 1008, "client stopped reading")
-                    return
-                metrics.frames.inc()
-                metrics.bytes_out.inc(len(data))
-                if is_delta:
-                    metrics.delta_frames.inc()
-        except ConnectionClosed:
-            return
+
+class SocketWire:
+    """The socket end of a session's outbox.
+
+    When the transport has room, a frame goes through websockets' sans-I/O
+    protocol straight to the transport, on the caller's stack: no task, no await.
+    That is what ``ServerConnection.send`` does too, minus its context manager and
+    coroutine; the outbox guarantees the one-writer rule ``send`` would otherwise
+    enforce. When the transport pushes back, the outbox's writer task uses
+    ``send`` itself, which waits for room.
+    """
+
+    __slots__ = (
+        "_close_task",
+        "_metrics",
+        "_probe",
+        "_probe_at",
+        "_probed_bytes",
+        "_protocol",
+        "_sent_bytes",
+        "_ws",
+    )
+
+    def __init__(self, ws: ServerConnection, metrics: Metrics) -> None:
+        self._ws = ws
+        self._protocol = ws.protocol
+        self._metrics = metrics
+        self._close_task: asyncio.Task[None] | None = None
+        self._sent_bytes = 0
+        self._probed_bytes = 0  # what was sent when the last probe went out
+        self._probe: asyncio.Task[None] | None = None
+        self._probe_at = 0.0
+
+    def writable(self) -> bool:
+        return not self._ws.paused
+
+    def write(self, frame: bytes) -> None:
+        if self._protocol.state is not State.OPEN:
+            return  # closing or gone: the frame stays in the replay buffer only
+        self._protocol.send_text(frame)
+        self._ws.send_data()
+        self._count(frame)
+
+    async def write_later(self, frame: bytes) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            await self._ws.send(frame, text=True)
+            self._count(frame)
+
+    def close(self, code: int, reason: str) -> None:
+        self._close(code, reason)
+
+    def _close(self, code: int, reason: str, timeout: float = CLOSE_TIMEOUT) -> None:
+        if self._close_task is None:
+            self._close_task = asyncio.get_running_loop().create_task(
+                _close(self._ws, code, reason, timeout)
+            )
+
+    def check_stall(self, now: float, stall: float) -> bool:
+        """Called a few times per ``stall`` seconds; True when it closed a stalled client.
+
+        "Reading" is defined by progress, not by buffer sizes: after frames were sent,
+        a ping goes out behind them, and the client answers it only once it has read
+        everything before it. Kernel buffers (which can absorb megabytes, and which a
+        TCP peer acknowledges without its application reading anything) cannot hide a
+        client that stopped reading: its pong never comes. A client with nothing sent
+        to it is left to websockets' keepalive.
+        """
+        if self._close_task is not None or self._protocol.state is not State.OPEN:
+            return False
+        probe = self._probe
+        if probe is not None and not probe.done():
+            if now - self._probe_at < stall:
+                return False
+            self._close(1008, "client stopped reading", timeout=min(CLOSE_TIMEOUT, stall))
+            return True
+        if self._sent_bytes > self._probed_bytes:
+            self._probed_bytes, self._probe_at = self._sent_bytes, now
+            self._probe = asyncio.get_running_loop().create_task(self._ping())
+        return False
+
+    async def _ping(self) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            await (await self._ws.ping())
+
+    async def closed(self) -> None:
+        """Until the close this wire started (if any) is done."""
+        if self._close_task is not None:
+            await asyncio.shield(self._close_task)
+
+    def _count(self, frame: bytes) -> None:
+        self._sent_bytes += len(frame)
+        m = self._metrics
+        m.frames.inc()
+        m.bytes_out.inc(len(frame))
+        if frame.startswith(_DELTA_PREFIX):
+            m.delta_frames.inc()
 
 
-async def _close(ws: ServerConnection, code: int, reason: str) -> None:
+_DELTA_PREFIX = b'{"type":"response.output_text.delta"'
+
+
+def _cap_kernel_send_buffer(ws: ServerConnection) -> None:
+    """Keep what the kernel holds for one client small: a client that stops reading
+    then pushes back on the outbox (which merges deltas) within a few frames, instead
+    of parking megabytes in an auto-tuned socket buffer."""
+    sock = ws.transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, KERNEL_SEND_BUFFER)
+
+
+async def _close(
+    ws: ServerConnection,
+    code: int,
+    reason: str,
+    timeout: float = CLOSE_TIMEOUT,  # noqa: ASYNC109 (the close frame's own deadline)
+) -> None:
     """Close with ``code``; if the close frame cannot even be written (the client reads
     nothing, so ``close()`` would wait on a full buffer forever), drop the TCP connection."""
     try:
-        async with asyncio.timeout(CLOSE_TIMEOUT):
+        async with asyncio.timeout(timeout):
             await ws.close(code, reason)
     except TimeoutError:
         ws.transport.abort()

@@ -1,20 +1,36 @@
-"""Per-session buffer between the session (and scheduler) and the socket writer.
+"""Per-session event log between the session (and scheduler) and the session's socket.
 
-Like vLLM's ``RequestOutputCollector``: while the writer is behind, consecutive
-text deltas of one response merge into one pending delta, so a slow reader
-costs memory proportional to the text, not to the number of tokens, and the
-joined text is unchanged. Anything else a client can make pile up (errors,
-item events) is capped: past the cap the outbox asks for the connection to be
-closed with 1008 instead of growing.
+The outbox is the one path to a session's socket, and it owns the order:
+
+- Every server event gets the session's next ``sequence_number`` (and an
+  ``event_id`` derived from it) at the moment it is written, so numbers run
+  1, 2, 3... with no gap on whatever socket carries them.
+- Written frames stay in a bounded replay buffer, so a client that lost its
+  connection can resume after the last number it saw (``replay_after``).
+- An event goes straight to the socket, from the caller's own stack, when
+  nothing is pending and the socket has room: the common case costs no task
+  wake-up. Only when the socket pushes back does a writer task appear, for as
+  long as it takes to drain what is pending.
+- While the socket pushes back (or no socket is attached), consecutive text
+  deltas of one response merge into one pending delta, like vLLM's
+  ``RequestOutputCollector``: a slow reader costs memory proportional to the
+  text, not to the number of tokens, and the joined text is unchanged.
+  Anything else a client can make pile up is capped: past the cap the outbox
+  drops what is pending, marks itself ``lost`` and calls ``on_overflow``.
+
+Nothing here imports the network: the socket end is a :class:`Wire`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from gateway.protocol import JSON, encode, event
+from gateway.protocol import JSON, encode
 
 # Rough memory costs, so the byte cap means memory: a pending delta's event fields,
 # and each merged piece of text (a str object and its list slot).
@@ -23,23 +39,35 @@ _PART_OVERHEAD = 64
 _MAX_PARTS = 256
 
 
+class Wire(Protocol):
+    """The socket end of an outbox (gateway/server.py implements it over websockets)."""
+
+    def writable(self) -> bool:
+        """True if :meth:`write` cannot block now."""
+
+    def write(self, frame: bytes) -> None:
+        """Send one text frame at once (only called when :meth:`writable`)."""
+
+    async def write_later(self, frame: bytes) -> None:
+        """Send one frame once the socket has room; returns (dropping it) if the
+        connection is gone."""
+
+    def close(self, code: int, reason: str) -> None:
+        """Close the connection after what was written, without waiting here."""
+
+
 @dataclass(slots=True)
 class _PendingDelta:
     response_id: str
     item_id: str
     parts: list[str] = field(default_factory=list)
 
-    def encode(self) -> bytes:
-        return encode(
-            event(
-                "response.output_text.delta",
-                response_id=self.response_id,
-                item_id=self.item_id,
-                output_index=0,
-                content_index=0,
-                delta="".join(self.parts),
-            )
-        )
+
+@dataclass(frozen=True, slots=True)
+class _Numbered:
+    """A frame that already carries its number (replayed), or none by design."""
+
+    frame: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,18 +78,36 @@ class CloseRequest:
     reason: str
 
 
+_Entry = bytes | _PendingDelta | _Numbered | CloseRequest
+
+
 @dataclass(slots=True)
 class OutboxStats:
     deltas_in: int = 0  # deltas handed to the outbox
-    frames_out: int = 0  # frames handed to the writer
+    frames_out: int = 0  # frames handed to the socket
     delta_frames_out: int = 0  # of which text deltas (fewer than deltas_in when coalescing)
+    bytes_out: int = 0
+
+
+class ReplayBudget:
+    """Bytes of replay buffer that all sessions together may hold."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
 
 
 class Outbox:
     def __init__(
-        self, *, max_pending: int = 2048, max_pending_bytes: int = 16 << 20, coalesce: bool = True
+        self,
+        *,
+        max_pending: int = 2048,
+        max_pending_bytes: int = 16 << 20,
+        coalesce: bool = True,
+        replay_bytes: int = 256 << 10,
+        replay_budget: ReplayBudget | None = None,
     ) -> None:
-        self._pending: deque[bytes | _PendingDelta | CloseRequest] = deque()
+        self._pending: deque[_Entry] = deque()
         # Deltas still mergeable, by response. Cleared by any other event, so each
         # response's events keep their order on the wire.
         self._open: dict[str, _PendingDelta] = {}
@@ -69,8 +115,18 @@ class Outbox:
         self._max_pending = max_pending
         self._max_bytes = max_pending_bytes
         self._coalesce = coalesce
-        self._ready = asyncio.Event()
+        self._wire: Wire | None = None
+        self._writer: asyncio.Task[None] | None = None
         self._closed = False
+        self._seq = 0
+        self._tag = secrets.token_hex(4)  # event ids: unique per session, cheap to make
+        self._tag_bytes = self._tag.encode()
+        self._replay: deque[tuple[int, bytes]] = deque()
+        self._replay_bytes = 0
+        self._replay_limit = replay_bytes
+        self._budget = replay_budget or ReplayBudget(replay_bytes)
+        self.lost = False  # events were dropped: a resume cannot be seamless any more
+        self.on_overflow: Callable[[], None] | None = None
         self.stats = OutboxStats()
 
     def __len__(self) -> int:
@@ -80,17 +136,34 @@ class Outbox:
     def pending_bytes(self) -> int:
         return self._bytes
 
+    @property
+    def last_sequence_number(self) -> int:
+        return self._seq
+
+    @property
+    def attached(self) -> bool:
+        return self._wire is not None
+
+    # -- putting events --------------------------------------------------------------
+
     def put(self, server_event: JSON) -> None:
+        """Queue (or send right away) one server event; it gets its number when written."""
         if self._closed:
             return
         self._open.clear()
-        frame = encode(server_event)
-        self._append(frame, len(frame))
+        body = encode(server_event)
+        if self._can_write_now():
+            self._write(body)
+        else:
+            self._append(body, len(body))
 
     def put_delta(self, response_id: str, item_id: str, text: str) -> None:
         if self._closed:
             return
         self.stats.deltas_in += 1
+        if self._can_write_now():
+            self._write(_PendingDelta(response_id, item_id, [text]))
+            return
         pending = self._open.get(response_id) if self._coalesce else None
         if pending is not None:
             pending.parts.append(text)
@@ -105,46 +178,170 @@ class Outbox:
         self._append(pending, len(text) + _DELTA_OVERHEAD)
 
     def close(self, code: int = 1000, reason: str = "") -> None:
-        """Send what is pending, then have the writer close with ``code``."""
-        if not self._closed:
-            self._pending.append(CloseRequest(code, reason))
-            self._closed = True
-            self._ready.set()
+        """Send what is pending, then close the socket with ``code``; accept nothing more."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pending.append(CloseRequest(code, reason))
+        self._kick()
 
-    def abort(self, code: int, reason: str) -> None:
-        """Drop what is pending and close at once (the client is not reading)."""
+    # -- the socket ----------------------------------------------------------------
+
+    def attach(self, wire: Wire, first: Sequence[bytes] = ()) -> None:
+        """Send to ``wire`` from now on: ``first`` (frames already numbered, or never
+        numbered), then whatever is pending. A wire attached before is closed (4001)."""
+        old, self._wire = self._wire, wire
+        if old is not None:
+            old.close(4001, "the session was resumed on another connection")
+        self._pending.extendleft(_Numbered(frame) for frame in reversed(first))
+        self._kick()
+
+    def detach(self, wire: Wire) -> None:
+        """``wire`` is gone: keep events pending until another attaches (or the end)."""
+        if self._wire is wire:
+            self._wire = None
+
+    def replay_after(self, last_sequence_number: int) -> list[bytes] | None:
+        """The frames numbered above ``last_sequence_number``, or None if some of them
+        are no longer kept (or were never sent)."""
+        if self.lost or not 0 <= last_sequence_number <= self._seq:
+            return None
+        first_kept = self._replay[0][0] if self._replay else self._seq + 1
+        if last_sequence_number + 1 < first_kept:
+            return None
+        return [frame for seq, frame in self._replay if seq > last_sequence_number]
+
+    def release(self) -> None:
+        """The session ended: give the replay buffer's bytes back to the shared budget."""
+        self._budget.used -= self._replay_bytes
+        self._replay.clear()
+        self._replay_bytes = 0
         self._pending.clear()
         self._open.clear()
         self._bytes = 0
-        self._closed = False
-        self.close(code, reason)
 
-    async def get(self) -> tuple[bytes, bool] | CloseRequest:
-        """The next frame and whether it is a text delta, or the close request that ends it."""
-        while not self._pending:
-            self._ready.clear()
-            await self._ready.wait()
-        entry = self._pending.popleft()
-        if isinstance(entry, CloseRequest):
-            return entry
-        self.stats.frames_out += 1
-        if isinstance(entry, bytes):
-            self._bytes -= len(entry)
-            return entry, False
-        # Taking a delta ends its mergeability: later text goes into a new frame.
-        if self._open.get(entry.response_id) is entry:
-            del self._open[entry.response_id]
-        self._bytes -= sum(map(len, entry.parts)) + _PART_OVERHEAD * (len(entry.parts) - 1)
-        self._bytes -= _DELTA_OVERHEAD
-        self.stats.delta_frames_out += 1
-        return entry.encode(), True
+    # -- internals -------------------------------------------------------------------
 
-    def _append(self, entry: bytes | _PendingDelta, size: int) -> None:
+    def _can_write_now(self) -> bool:
+        wire = self._wire
+        return not self._pending and self._writer is None and wire is not None and wire.writable()
+
+    def _append(self, entry: _Entry, size: int) -> None:
         self._pending.append(entry)
         self._bytes += size
-        self._ready.set()
         self._check_limits()
+        self._kick()
+
+    def _kick(self) -> None:
+        """Write what can be written now; leave the rest to a writer task."""
+        if self._writer is not None or self._wire is None:
+            return
+        self._flush()
+        if self._pending and self._wire is not None:
+            self._writer = asyncio.get_running_loop().create_task(self._write_blocked())
+
+    def _flush(self) -> None:
+        wire = self._wire
+        while self._pending and wire is not None and wire.writable():
+            self._write(self._take())
+
+    async def _write_blocked(self) -> None:
+        """Drain what is pending while the socket pushes back; ends when all is sent."""
+        try:
+            while self._pending and (wire := self._wire) is not None:
+                entry = self._take()
+                if isinstance(entry, CloseRequest):
+                    self._write(entry)
+                    return
+                await wire.write_later(self._number(entry))
+                self._flush()
+        finally:
+            self._writer = None
+
+    def _take(self) -> _Entry:
+        entry = self._pending.popleft()
+        if isinstance(entry, bytes):
+            self._bytes -= len(entry)
+        elif isinstance(entry, _PendingDelta):
+            # Taking a delta ends its mergeability: later text goes into a new frame.
+            if self._open.get(entry.response_id) is entry:
+                del self._open[entry.response_id]
+            self._bytes -= sum(map(len, entry.parts)) + _PART_OVERHEAD * (len(entry.parts) - 1)
+            self._bytes -= _DELTA_OVERHEAD
+        return entry
+
+    def _write(self, entry: _Entry) -> None:
+        wire = self._wire
+        assert wire is not None
+        if isinstance(entry, CloseRequest):
+            self._pending.clear()
+            self._wire = None
+            wire.close(entry.code, entry.reason)
+            return
+        wire.write(self._number(entry))
+
+    def _number(self, entry: bytes | _PendingDelta | _Numbered) -> bytes:
+        """The frame for ``entry`` with the session's next number, kept for replay."""
+        if isinstance(entry, _Numbered):
+            return entry.frame
+        self._seq += 1
+        seq = self._seq
+        stats = self.stats
+        if isinstance(entry, _PendingDelta):
+            frame = encode(
+                {
+                    "type": "response.output_text.delta",
+                    "event_id": f"event_{self._tag}_{seq:x}",
+                    "sequence_number": seq,
+                    "response_id": entry.response_id,
+                    "item_id": entry.item_id,
+                    "output_index": 0,
+                    "content_index": 0,
+                    "delta": "".join(entry.parts),
+                }
+            )
+            stats.delta_frames_out += 1
+        else:
+            # The body is an encoded JSON object: splice the two fields in after "{".
+            frame = b'{"event_id":"event_%b_%x","sequence_number":%d,%b' % (
+                self._tag_bytes,
+                seq,
+                seq,
+                entry[1:],
+            )
+        stats.frames_out += 1
+        stats.bytes_out += len(frame)
+        self._remember(seq, frame)
+        return frame
+
+    def _remember(self, seq: int, frame: bytes) -> None:
+        if not self._replay_limit:  # resume is off
+            return
+        self._replay.append((seq, frame))
+        size = len(frame)
+        self._replay_bytes += size
+        budget = self._budget
+        budget.used += size
+        while self._replay and (
+            self._replay_bytes > self._replay_limit or budget.used > budget.limit
+        ):
+            _, old = self._replay.popleft()
+            self._replay_bytes -= len(old)
+            budget.used -= len(old)
 
     def _check_limits(self) -> None:
         if len(self._pending) > self._max_pending or self._bytes > self._max_bytes:
-            self.abort(1008, "client is not reading its events")
+            self._overflow()
+
+    def _overflow(self) -> None:
+        """Too much is pending (the client does not read, or is gone): drop it all."""
+        self._pending.clear()
+        self._open.clear()
+        self._bytes = 0
+        self.lost = True
+        self._closed = True
+        wire, self._wire = self._wire, None
+        if wire is not None:
+            wire.close(1008, "client is not reading its events")
+        if self.on_overflow is not None:
+            self.on_overflow()

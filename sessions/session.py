@@ -1,13 +1,14 @@
-"""The session actor: one task per connection, the only code that changes its state.
+"""The session actor: one task per session, the only code that changes its state.
 
 Its inbox receives decoded client events (or the protocol errors found while
 decoding them) and notices from the scheduler; it answers by putting server
 events into its :class:`~sessions.outbox.Outbox`. Text deltas are the one thing
-that bypasses the inbox: the scheduler's consumer task puts them straight into
+that bypasses the inbox: the scheduler's fan-out task puts them straight into
 the outbox (they change no session state), which keeps a token's trip short.
 Ordering still holds because ``response.created`` and friends are put in the
-outbox before the job's first step can run, and ``response.done`` is put only
-after the scheduler reports that the job's stream has ended.
+outbox in the same handler that submits the job, before the engine can report
+anything for it, and ``response.done`` is put only after the scheduler reports
+that the job has ended, after which it delivers nothing more for it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway import protocol as p
-from gateway.engines.base import GenerationRequest, Message, SamplingParams
+from gateway.engines.base import GenerationRequest, Message, SamplingParams, ToolCallDelta
 from gateway.metrics import Metrics
 from gateway.scheduler import CancelReason, Job, Outcome, Scheduler
 from sessions.conversation import Conversation, Item
@@ -135,6 +136,9 @@ class Session:
     def on_delta(self, job: Job, text: str) -> None:
         response = self._responses[job]
         self.outbox.put_delta(response.id, response.item_id, text)
+
+    def on_tool_call_delta(self, job: Job, delta: ToolCallDelta) -> None:
+        pass  # function calls reach the protocol with issue 13's session changes
 
     def on_finish(self, job: Job, outcome: Outcome) -> None:
         self._inbox.put_nowait(_JobDone(job, outcome))

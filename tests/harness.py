@@ -44,10 +44,11 @@ class RunningGateway:
         return orjson.loads(body)
 
     async def wait_idle(self) -> None:
-        """Until no session, running or queued response is left (bounded by TIMEOUT)."""
+        """Until no session, running or queued response is left, and the engine has let go
+        of every aborted one (bounded by TIMEOUT)."""
         g = self.gateway
         async with asyncio.timeout(TIMEOUT):
-            while g.sessions or g.scheduler.running or g.scheduler.queued:
+            while g.sessions or g.scheduler.running or g.scheduler.queued or g.scheduler.draining:
                 await asyncio.sleep(0.005)
 
 

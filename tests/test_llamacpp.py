@@ -30,10 +30,12 @@ from gateway.engines.base import (
     Finished,
     GenerationRequest,
     Message,
+    PromptTokens,
     SamplingParams,
     StreamEvent,
     TextDelta,
 )
+from gateway.engines.driver import EngineDriver
 from gateway.engines.llamacpp import LlamaCppEngine, bundled_model_path
 from tests.harness import RawClient, RunningGateway, running_gateway
 
@@ -79,75 +81,89 @@ def engine() -> Iterator[LlamaCppEngine]:
     asyncio.run(eng.close())
 
 
-async def collect(engine: LlamaCppEngine, request: GenerationRequest) -> tuple[list[str], Finished]:
+@pytest.fixture
+async def driver(engine: LlamaCppEngine) -> AsyncIterator[EngineDriver]:
+    async with EngineDriver(engine) as running:
+        yield running
+
+
+async def collect(driver: EngineDriver, request: GenerationRequest) -> tuple[list[str], Finished]:
     """The deltas and the Finished of one whole generation."""
     deltas: list[str] = []
     events: list[StreamEvent] = []
     async with asyncio.timeout(30):
-        async for event in engine.stream(request):
+        async for event in driver.stream(request):
             events.append(event)
             if isinstance(event, TextDelta):
                 deltas.append(event.text)
     assert isinstance(events[-1], Finished)
-    assert all(isinstance(e, TextDelta) for e in events[:-1])
+    # The prompt's count comes first (so a cut answer still reports it), then text.
+    assert isinstance(events[0], PromptTokens) and events[0].input_tokens > 0
+    assert all(isinstance(e, TextDelta) for e in events[1:-1])
     return deltas, events[-1]
 
 
 # --- answers -----------------------------------------------------------------------
 
 
-async def test_answers_a_factual_question(engine: LlamaCppEngine) -> None:
-    deltas, done = await collect(engine, ask(SYSTEM, FRANCE))
+async def test_answers_a_factual_question(engine: LlamaCppEngine, driver: EngineDriver) -> None:
+    deltas, done = await collect(driver, ask(SYSTEM, FRANCE))
     assert "Paris" in "".join(deltas)
     assert done.reason == "stop"
     assert done.usage.input_tokens > 10
     assert done.usage.output_tokens >= len(deltas) > 1  # streamed, not one lump
 
 
-async def test_token_budget_ends_with_length(engine: LlamaCppEngine) -> None:
-    deltas, done = await collect(engine, ask(SYSTEM, Message("user", STORIES[0]), tokens=6))
+async def test_token_budget_ends_with_length(engine: LlamaCppEngine, driver: EngineDriver) -> None:
+    deltas, done = await collect(driver, ask(SYSTEM, Message("user", STORIES[0]), tokens=6))
     assert done.reason == "length"
     assert done.usage.output_tokens == 6
     assert 0 < len(deltas) <= 6
 
 
-async def test_delta_token_counts_add_up_to_the_usage(engine: LlamaCppEngine) -> None:
+async def test_delta_token_counts_add_up_to_the_usage(
+    engine: LlamaCppEngine, driver: EngineDriver
+) -> None:
     deltas: list[TextDelta] = []
-    async for event in engine.stream(ask(SYSTEM, Message("user", STORIES[2]), tokens=12)):
+    async for event in driver.stream(ask(SYSTEM, Message("user", STORIES[2]), tokens=12)):
         if isinstance(event, TextDelta):
             deltas.append(event)
-        else:
+        elif isinstance(event, Finished):
             assert event.reason == "length"
             assert sum(d.tokens for d in deltas) == event.usage.output_tokens == 12
 
 
-async def test_stop_sequence_ends_the_answer_before_it(engine: LlamaCppEngine) -> None:
-    deltas, done = await collect(engine, ask(SYSTEM, FRANCE, stop=("Paris",)))
+async def test_stop_sequence_ends_the_answer_before_it(
+    engine: LlamaCppEngine, driver: EngineDriver
+) -> None:
+    deltas, done = await collect(driver, ask(SYSTEM, FRANCE, stop=("Paris",)))
     text = "".join(deltas)
     assert "Paris" not in text
     assert text.startswith("The capital")
     assert done.reason == "stop"
 
 
-async def test_same_seed_same_answer(engine: LlamaCppEngine) -> None:
+async def test_same_seed_same_answer(engine: LlamaCppEngine, driver: EngineDriver) -> None:
     request = GenerationRequest(
         "s", (SYSTEM, Message("user", STORIES[1])), SamplingParams(16, 1.0, 0.9, seed=42)
     )
-    first, _ = await collect(engine, request)
-    again, _ = await collect(engine, request)
+    first, _ = await collect(driver, request)
+    again, _ = await collect(driver, request)
     assert "".join(first) == "".join(again)
 
 
 # --- cancellation, concurrency, slots ----------------------------------------------------
 
 
-async def test_cancel_mid_stream_stops_within_a_token(engine: LlamaCppEngine) -> None:
+async def test_cancel_mid_stream_stops_within_a_token(
+    engine: LlamaCppEngine, driver: EngineDriver
+) -> None:
     before = engine.tokens_after_cancel
     three = asyncio.Event()
     seen: list[str] = []
 
     async def consume() -> None:
-        async for event in engine.stream(ask(SYSTEM, Message("user", STORIES[0]), tokens=200)):
+        async for event in driver.stream(ask(SYSTEM, Message("user", STORIES[0]), tokens=200)):
             if isinstance(event, TextDelta):
                 seen.append(event.text)
                 if len(seen) == 3:
@@ -175,6 +191,7 @@ async def test_cancel_or_close_during_prefill_stops_within_a_prompt_batch() -> N
     # Its own engine with small prompt batches: a ~450-token prompt takes 14 of them.
     eng = LlamaCppEngine(bundled_model_path(), ctx=CTX, slots=1, threads=THREADS, prefill_batch=32)
     await eng.start()
+    drv = await EngineDriver(eng).__aenter__()
     prefilling = asyncio.Event()
     loop = asyncio.get_running_loop()
     on_chunk = eng._on_chunk
@@ -202,7 +219,7 @@ async def test_cancel_or_close_during_prefill_stops_within_a_prompt_batch() -> N
         deltas: list[TextDelta] = []
         done: Finished | None = None
         async with asyncio.timeout(60):
-            async for event in eng.stream(ask(SYSTEM, filler(300, 0), tokens=4)):
+            async for event in drv.stream(ask(SYSTEM, filler(300, 0), tokens=4)):
                 if isinstance(event, TextDelta):
                     ttft = ttft or time.perf_counter() - began
                     deltas.append(event)
@@ -217,7 +234,7 @@ async def test_cancel_or_close_during_prefill_stops_within_a_prompt_batch() -> N
         seen: list[StreamEvent] = []
 
         async def consume() -> None:
-            async for event in eng.stream(ask(SYSTEM, filler(300, 1), tokens=4)):
+            async for event in drv.stream(ask(SYSTEM, filler(300, 1), tokens=4)):
                 seen.append(event)
 
         task = asyncio.create_task(consume())
@@ -232,8 +249,13 @@ async def test_cancel_or_close_during_prefill_stops_within_a_prompt_batch() -> N
         assert eng.busy_slots == 0
 
         # close() during prefill ends the stream as soon, then frees the model.
-        stream = eng.stream(ask(SYSTEM, filler(300, 2), tokens=4))
-        first = asyncio.create_task(anext(stream))
+        async def text_or_error() -> StreamEvent:
+            async for event in drv.stream(ask(SYSTEM, filler(300, 2), tokens=4)):
+                if not isinstance(event, PromptTokens):
+                    return event
+            raise AssertionError("the stream ended without a terminal event")
+
+        first = asyncio.create_task(text_or_error())
         await wait_for_prefill(ttft / 5)
         closing_at = time.perf_counter()
         async with asyncio.timeout(60):
@@ -245,10 +267,11 @@ async def test_cancel_or_close_during_prefill_stops_within_a_prompt_batch() -> N
         assert took < ttft / 2, f"close() in prefill took {took:.2f} s, the prefill {ttft:.2f} s"
     finally:
         await eng.close()
+        await drv.__aexit__(None, None, None)
 
 
 async def test_an_error_while_handling_a_chunk_fails_the_answer(
-    engine: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch
+    engine: LlamaCppEngine, driver: EngineDriver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     on_chunk = engine._on_chunk
     texts = 0
@@ -265,19 +288,20 @@ async def test_an_error_while_handling_a_chunk_fails_the_answer(
     events: list[StreamEvent] = []
     with pytest.raises(EngineError) as caught:
         async with asyncio.timeout(30):
-            async for event in engine.stream(ask(SYSTEM, Message("user", STORIES[0]), tokens=60)):
+            async for event in driver.stream(ask(SYSTEM, Message("user", STORIES[0]), tokens=60)):
                 events.append(event)
     # Not a short answer reported as complete: no Finished, and the cause is named.
     assert caught.value.code == "engine_error"
     assert "boom in the chunk handler" in caught.value.message
     assert isinstance(caught.value.__cause__, ValueError)
-    assert len(events) == 2 and all(isinstance(e, TextDelta) for e in events)
+    texts_seen = [e for e in events if not isinstance(e, PromptTokens)]
+    assert len(texts_seen) == 2 and all(isinstance(e, TextDelta) for e in texts_seen)
     assert texts == 3  # llama.cpp was stopped at once
     assert engine.busy_slots == 0
 
 
 async def test_cancelled_again_while_stopping_keeps_the_slot_until_the_worker_ends(
-    engine: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch
+    engine: LlamaCppEngine, driver: EngineDriver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     loop = asyncio.get_running_loop()
     on_chunk = engine._on_chunk
@@ -294,7 +318,7 @@ async def test_cancelled_again_while_stopping_keeps_the_slot_until_the_worker_en
     started = asyncio.Event()
 
     async def consume() -> None:
-        async for _ in engine.stream(ask(SYSTEM, Message("user", STORIES[1]), tokens=200)):
+        async for _ in driver.stream(ask(SYSTEM, Message("user", STORIES[1]), tokens=200)):
             started.set()
 
     task = asyncio.create_task(consume())
@@ -316,16 +340,15 @@ async def test_cancelled_again_while_stopping_keeps_the_slot_until_the_worker_en
     assert not any(t.name == "llamacpp-r" for t in threading.enumerate())
 
 
-async def test_four_streams_progress_together(engine: LlamaCppEngine) -> None:
+async def test_four_streams_progress_together(engine: LlamaCppEngine, driver: EngineDriver) -> None:
     order: list[int] = []
 
     async def run(i: int) -> Finished:
         request = ask(SYSTEM, Message("user", STORIES[i]), tokens=32, key=f"four-{i}", rid=f"f{i}")
-        async for event in engine.stream(request):
+        async for event in driver.stream(request):
             if isinstance(event, TextDelta):
                 order.append(i)
-            else:
-                assert isinstance(event, Finished)
+            elif isinstance(event, Finished):
                 return event
         raise AssertionError("no Finished")
 
@@ -338,12 +361,14 @@ async def test_four_streams_progress_together(engine: LlamaCppEngine) -> None:
     assert max(firsts) < min(lasts)
 
 
-async def test_second_turn_reuses_the_cached_prefix(engine: LlamaCppEngine) -> None:
+async def test_second_turn_reuses_the_cached_prefix(
+    engine: LlamaCppEngine, driver: EngineDriver
+) -> None:
     key = "two-turns"
-    first, done1 = await collect(engine, ask(SYSTEM, FRANCE, key=key))
+    first, done1 = await collect(driver, ask(SYSTEM, FRANCE, key=key))
     history = (SYSTEM, FRANCE, Message("assistant", "".join(first)))
     second, done2 = await collect(
-        engine, ask(*history, Message("user", "And of Germany?"), key=key)
+        driver, ask(*history, Message("user", "And of Germany?"), key=key)
     )
     assert "Berlin" in "".join(second)
     assert done2.usage.input_tokens > done1.usage.input_tokens + done1.usage.output_tokens
@@ -351,24 +376,32 @@ async def test_second_turn_reuses_the_cached_prefix(engine: LlamaCppEngine) -> N
     assert done2.usage.cached_tokens >= done1.usage.input_tokens
 
 
-async def test_conversations_keep_their_own_slot_between_turns(engine: LlamaCppEngine) -> None:
-    _, a1 = await collect(engine, ask(SYSTEM, FRANCE, key="a"))
-    await collect(engine, ask(SYSTEM, Message("user", STORIES[3]), key="b"))
+async def test_conversations_keep_their_own_slot_between_turns(
+    engine: LlamaCppEngine, driver: EngineDriver
+) -> None:
+    _, a1 = await collect(driver, ask(SYSTEM, FRANCE, key="a"))
+    await collect(driver, ask(SYSTEM, Message("user", STORIES[3]), key="b"))
     history = (SYSTEM, FRANCE, Message("assistant", "The capital of France is Paris."))
-    _, a2 = await collect(engine, ask(*history, Message("user", "Is it big?"), key="a"))
+    _, a2 = await collect(driver, ask(*history, Message("user", "Is it big?"), key="a"))
     assert a2.usage.cached_tokens >= a1.usage.input_tokens
 
 
-async def test_a_cancelled_stream_frees_its_slot_for_the_next(engine: LlamaCppEngine) -> None:
-    streams = [engine.stream(ask(SYSTEM, Message("user", s), tokens=200)) for s in STORIES]
+async def test_a_cancelled_stream_frees_its_slot_for_the_next(
+    engine: LlamaCppEngine, driver: EngineDriver
+) -> None:
+    streams = [
+        driver.stream(ask(SYSTEM, Message("user", s), tokens=200, rid=f"c{i}"))
+        for i, s in enumerate(STORIES)
+    ]
     async with asyncio.timeout(10):
         for stream in streams:  # all slots busy...
+            assert isinstance(await anext(stream), PromptTokens)
             assert isinstance(await anext(stream), TextDelta)
         assert engine.busy_slots == SLOTS
         for stream in streams:  # ...then every client goes away
             await stream.aclose()
     assert engine.busy_slots == 0
-    deltas, _ = await collect(engine, ask(SYSTEM, FRANCE))
+    deltas, _ = await collect(driver, ask(SYSTEM, FRANCE))
     assert "Paris" in "".join(deltas)
 
 
@@ -384,21 +417,23 @@ def long_turns(count: int) -> list[Message]:
 
 
 async def test_an_overlong_conversation_drops_its_oldest_turns(
-    engine: LlamaCppEngine, caplog: pytest.LogCaptureFixture
+    engine: LlamaCppEngine, driver: EngineDriver, caplog: pytest.LogCaptureFixture
 ) -> None:
     messages = (SYSTEM, *long_turns(6), FRANCE)  # about 900 tokens: over the 512 of a slot
     with caplog.at_level(logging.INFO, logger="gateway.engines.llamacpp"):
-        deltas, done = await collect(engine, ask(*messages, tokens=16))
+        deltas, done = await collect(driver, ask(*messages, tokens=16))
     assert done.usage.input_tokens <= CTX - 16
     assert done.usage.input_tokens > CTX // 2  # only as much dropped as needed
     assert "Paris" in "".join(deltas)  # the newest question survived
     assert any("dropped the" in r.getMessage() for r in caplog.records)
 
 
-async def test_one_message_too_big_for_the_window_is_a_clear_error(engine: LlamaCppEngine) -> None:
+async def test_one_message_too_big_for_the_window_is_a_clear_error(
+    engine: LlamaCppEngine, driver: EngineDriver
+) -> None:
     huge = Message("user", "the quick brown fox jumps. " * 200)
     with pytest.raises(ContextOverflowError) as caught:
-        await collect(engine, ask(SYSTEM, huge, tokens=16))
+        await collect(driver, ask(SYSTEM, huge, tokens=16))
     assert caught.value.code == "context_length_exceeded"
     assert "context window" in caught.value.message
     assert engine.busy_slots == 0
@@ -417,8 +452,10 @@ async def test_close_ends_a_running_stream_and_leaves_no_thread() -> None:
     threads_before = set(threading.enumerate())
     eng = LlamaCppEngine(bundled_model_path(), ctx=256, slots=1)
     await eng.start()
-    stream = eng.stream(ask(SYSTEM, Message("user", STORIES[0]), tokens=200))
+    drv = await EngineDriver(eng).__aenter__()
+    stream = drv.stream(ask(SYSTEM, Message("user", STORIES[0]), tokens=200))
     async with asyncio.timeout(10):
+        assert isinstance(await anext(stream), PromptTokens)
         assert isinstance(await anext(stream), TextDelta)
         await eng.close()
         with pytest.raises(EngineError) as caught:
@@ -428,7 +465,8 @@ async def test_close_ends_a_running_stream_and_leaves_no_thread() -> None:
     assert not eng.ready
     assert set(threading.enumerate()) <= threads_before
     with pytest.raises(EngineError):
-        await anext(eng.stream(ask(FRANCE)))
+        await anext(drv.stream(ask(FRANCE)))
+    await drv.__aexit__(None, None, None)
 
 
 def parsed(*argv: str) -> argparse.Namespace:
@@ -475,7 +513,9 @@ class Borrowed(Engine):
     name = "llamacpp"
 
     def __init__(self, inner: Engine) -> None:
+        super().__init__()
         self.inner = inner
+        self.outputs = inner.outputs
 
     @property
     def capacity(self) -> int:
@@ -491,8 +531,11 @@ class Borrowed(Engine):
     async def close(self) -> None:
         pass
 
-    def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
-        return self.inner.stream(request)
+    def submit(self, request: GenerationRequest) -> None:
+        self.inner.submit(request)
+
+    def abort(self, request_id: str) -> None:
+        self.inner.abort(request_id)
 
     def describe(self) -> dict[str, object]:
         return self.inner.describe()

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from gateway.engines.base import GenerationRequest, Message
+from gateway.engines.base import GenerationRequest, Message, ToolCallDelta
 from gateway.engines.sim import SimEngine
 from gateway.scheduler import Job, Outcome, Scheduler
 
@@ -24,6 +24,9 @@ class Recorder:
         if rid not in self.deltas:
             self.started.append(rid)
         self.deltas.setdefault(rid, []).append(text)
+
+    def on_tool_call_delta(self, job: Job, delta: ToolCallDelta) -> None:
+        raise AssertionError("no tools here")
 
     def on_finish(self, job: Job, outcome: Outcome) -> None:
         self.outcomes[job.request.request_id] = outcome
@@ -68,6 +71,12 @@ async def test_round_robin_across_sessions(engine: SimEngine) -> None:
     assert sink.started[:3] == ["greedy0", "polite", "greedy1"]
 
 
+async def until(condition: Callable[[], bool], timeout: float = 1.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.001)
+
+
 async def test_cancel_queued_and_running(engine: SimEngine) -> None:
     engine.step_s = 0.01
     scheduler, sink = Scheduler(engine, max_running=1, max_queued=4), Recorder()
@@ -76,25 +85,49 @@ async def test_cancel_queued_and_running(engine: SimEngine) -> None:
     scheduler.submit(queued)
     scheduler.cancel(queued, "client_cancelled")
     assert sink.outcomes["wait"].status == "cancelled"  # at once, never started
-    while "run" not in sink.deltas:
-        await asyncio.sleep(0.002)
+    await until(lambda: "run" in sink.deltas)
     scheduler.cancel(running, "client_cancelled")
-    await sink.wait_for(2)
-    outcome = sink.outcomes["run"]
+    outcome = sink.outcomes["run"]  # at once: the session need not wait for the engine
     assert outcome.status == "cancelled"
     assert outcome.text == "".join(sink.deltas["run"])
-    await asyncio.sleep(0.03)
-    assert engine.active == 0 and scheduler.running == 0
+    assert outcome.usage.input_tokens > 0  # the prompt was counted before the cancel
+    delivered = len(sink.deltas["run"])
+    await until(lambda: engine.active == 0 and scheduler.draining == 0)
+    assert len(sink.deltas["run"]) == delivered  # nothing after the cancel
 
 
-async def test_cancel_before_the_first_step_still_finishes_once(engine: SimEngine) -> None:
-    scheduler, sink = Scheduler(engine, max_running=1, max_queued=1), Recorder()
-    j = job("quick", "s", sink)
-    scheduler.submit(j)
-    scheduler.cancel(j, "disconnected")  # its task has not run a single step yet
-    await sink.wait_for(1)
-    assert sink.outcomes["quick"].status == "cancelled"
-    assert scheduler.running == 0
+async def test_a_cancelled_slot_is_free_for_the_next_job_at_once(engine: SimEngine) -> None:
+    engine.step_s = 0.01
+    scheduler, sink = Scheduler(engine, max_running=1, max_queued=0), Recorder()
+    first, second = job("first", "a", sink), job("second", "b", sink)
+    assert scheduler.submit(first)
+    scheduler.cancel(first, "disconnected")  # before the engine ran a single step for it
+    assert sink.outcomes["first"].status == "cancelled"
+    # The engine lets go of "first" at its next step; a new job is not refused meanwhile.
+    assert scheduler.submit(second) and scheduler.draining == 1
+    await sink.wait_for(2)
+    assert sink.outcomes["second"].status == "completed"
+    assert "first" not in sink.deltas and scheduler.draining == 0
+
+
+async def test_the_watchdog_fails_a_stalled_generation_and_frees_its_slot() -> None:
+    sim = SimEngine(step_ms=1, response_tokens=50, stall_after=2)
+    await sim.start()
+    scheduler = Scheduler(sim, max_running=1, max_queued=1, generation_timeout=0.2)
+    sink = Recorder()
+    try:
+        scheduler.submit(job("stuck", "s", sink))
+        await sink.wait_for(1)
+        outcome = sink.outcomes["stuck"]
+        assert outcome.status == "failed" and outcome.error is not None
+        assert outcome.error.code == "generation_timeout"
+        assert outcome.text == "".join(sink.deltas["stuck"])
+        assert scheduler.metrics.generation_timeouts.value == 1
+        await until(lambda: sim.active == 0 and scheduler.running == 0)
+        assert scheduler.draining == 0
+    finally:
+        await scheduler.close()
+        await sim.close()
 
 
 async def test_close_ends_everything(engine: SimEngine) -> None:

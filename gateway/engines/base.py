@@ -1,25 +1,37 @@
 """The one small interface every engine implements.
 
-An engine never sees a socket or a protocol event: it receives a
+An engine never sees a socket or a protocol event. The scheduler hands it a
 :class:`GenerationRequest` (the conversation as plain messages plus sampling
-settings) and yields :class:`TextDelta` chunks followed by exactly one
-:class:`Finished`. Cancelling the task that iterates :meth:`Engine.stream`
-must stop the generation inside the engine (TensorRT-LLM: ``abort()``;
-llama.cpp: the stream callback returns ``True``; sim: dropped at the next step).
+settings) with :meth:`Engine.submit`, and may stop it with
+:meth:`Engine.abort`; the engine reports what each step produced, for all its
+requests at once, into :attr:`Engine.outputs`: text (and tool-call) deltas,
+then exactly one :class:`Finished` or :class:`EngineError` per request. One
+central scheduler task drains that channel and fans each batch out.
+
+``abort`` must stop the generation inside the engine (TensorRT-LLM:
+``RequestOutput.abort()``; llama.cpp: the stream callback returns ``True``;
+upstream: the HTTP stream is closed; sim: dropped at the next step).
+Engines whose API is one async iterator per request implement
+:class:`StreamingEngine` instead, which turns those iterators into the channel.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
+import logging
+import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
+
+log = logging.getLogger(__name__)
 
 Role = Literal["system", "user", "assistant", "tool"]
 
-FinishReason = Literal["stop", "length", "tool_calls"]
-"""Why a generation ended on its own: natural end / stop sequence, the token budget, or the
-model ended its turn by calling tools."""
+FinishReason = Literal["stop", "length", "tool_calls", "cancelled"]
+"""Why a generation ended: natural end / stop sequence, the token budget, the model ended
+its turn by calling tools, or :meth:`Engine.abort` stopped it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +126,17 @@ class Finished:
     usage: Usage
 
 
-StreamEvent = TextDelta | ToolCallDelta | Finished
+@dataclass(frozen=True, slots=True)
+class PromptTokens:
+    """The prompt's token counts, reported as soon as the engine knows them, so that an
+    answer cut short (cancelled, failed) still reports what its prompt cost."""
+
+    input_tokens: int
+    cached_tokens: int = 0
+
+
+StreamEvent = TextDelta | ToolCallDelta | PromptTokens | Finished
+"""What :meth:`StreamingEngine.stream` yields."""
 
 
 class EngineError(Exception):
@@ -124,6 +146,14 @@ class EngineError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+Output: TypeAlias = str | TextDelta | ToolCallDelta | PromptTokens | Finished | EngineError
+"""What an engine reports for one request. A plain ``str`` is one token of text (the
+common case, kept cheap); every request ends with one ``Finished`` or ``EngineError``."""
+
+StepOutput: TypeAlias = tuple[str, Output]
+"""``(request_id, output)``."""
 
 
 class ContextOverflowError(EngineError):
@@ -145,10 +175,18 @@ class EngineUnavailableError(EngineError):
 
 
 class Engine(abc.ABC):
-    """A shared LLM engine. Only the scheduler calls :meth:`stream`."""
+    """A shared LLM engine, driven by the scheduler alone.
+
+    :meth:`submit` and :meth:`abort` are called on the event loop thread and never
+    block; everything the engine produces goes into :attr:`outputs`, in batches.
+    """
 
     name: str = "engine"
     default_instructions: str = ""  # a session's instructions until it sets its own
+
+    def __init__(self) -> None:
+        self.outputs = OutputChannel()
+        self._ready = False
 
     @property
     @abc.abstractmethod
@@ -160,10 +198,12 @@ class Engine(abc.ABC):
         """True once :meth:`start` has finished loading; ``/readyz`` reports it."""
         return self._ready
 
-    _ready: bool = False
-
     async def start(self) -> None:
-        """Load the model. May take long; ``/readyz`` stays 503 until it returns."""
+        """Load the model. May take long; ``/readyz`` stays 503 until it returns.
+
+        Overrides call this first: it binds :attr:`outputs` to the running loop.
+        """
+        self.outputs.bind(asyncio.get_running_loop())
         self._ready = True
 
     async def close(self) -> None:
@@ -171,12 +211,174 @@ class Engine(abc.ABC):
         self._ready = False
 
     @abc.abstractmethod
-    def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
-        """Yield deltas then one :class:`Finished`; raise :class:`EngineError` on failure."""
+    def submit(self, request: GenerationRequest) -> None:
+        """Start generating ``request``. Its outputs follow in :attr:`outputs`: deltas,
+        then exactly one terminal :class:`Finished` or :class:`EngineError`."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Stop generating ``request_id`` at the next step. Its terminal output still
+        follows (``Finished("cancelled", ...)`` unless it ended first); unknown ids are
+        ignored."""
 
     def describe(self) -> dict[str, object]:
         """Extra facts for logs and ``/healthz`` (model name, context size...)."""
         return {}
+
+
+class OutputChannel:
+    """Where an engine puts what its steps produced; the scheduler's one task drains it.
+
+    Whatever arrives between two wake-ups of that task is handed over as one batch,
+    so a step that advances a thousand streams costs one wake-up, not a thousand.
+    Engine threads use :meth:`put_threadsafe`, which costs one loop callback per
+    burst rather than one per token.
+    """
+
+    def __init__(self) -> None:
+        self._batch: list[StepOutput] = []
+        self._waiter: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+        self._from_threads: list[StepOutput] = []
+        self._flush_scheduled = False
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def put(self, request_id: str, output: Output) -> None:
+        """Report one output (event loop thread), after whatever threads reported before."""
+        if self._from_threads:
+            self._flush_threads()
+        self._batch.append((request_id, output))
+        self._wake()
+
+    def put_step(self, outputs: list[StepOutput]) -> None:
+        """Report a whole step (event loop thread); the list is handed over, not copied."""
+        if self._from_threads:
+            self._flush_threads()
+        if self._batch:
+            self._batch += outputs
+        else:
+            self._batch = outputs
+        self._wake()
+
+    def put_threadsafe(self, request_id: str, output: Output) -> bool:
+        """Report from any thread. False once the event loop is gone (nobody listens)."""
+        with self._lock:
+            self._from_threads.append((request_id, output))
+            if self._flush_scheduled:
+                return True  # one flush per burst, however many threads and tokens
+            self._flush_scheduled = True
+            loop = self._loop
+        assert loop is not None, "start() binds the channel before any submit"
+        try:
+            loop.call_soon_threadsafe(self._flush_threads)
+        except RuntimeError:  # the loop closed under us
+            with self._lock:
+                self._flush_scheduled = False
+            return False
+        return True
+
+    async def get(self) -> list[StepOutput]:
+        """Everything reported since the last call (waits while there is nothing)."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            # Threads report to the loop that reads (an engine can outlive a loop, as in
+            # tests); a flush scheduled on a previous loop will never run.
+            self._loop = loop
+            self._flush_threads()
+        while not self._batch:
+            self._waiter = loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        batch, self._batch = self._batch, []
+        return batch
+
+    def _flush_threads(self) -> None:
+        # Also called from put(), so that a terminal output the loop puts after a
+        # thread's last delta cannot overtake that delta's pending flush.
+        with self._lock:
+            outputs, self._from_threads = self._from_threads, []
+            self._flush_scheduled = False
+        if outputs:
+            self._batch += outputs
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class StreamingEngine(Engine):
+    """Base for engines whose API is one async iterator per request (TensorRT-LLM's
+    ``RequestOutput``, an HTTP stream): implement :meth:`stream`.
+
+    Each request is iterated by a task of its own that reports into :attr:`outputs`;
+    :meth:`abort` cancels that task, and the stream's cleanup (``finally``) is where
+    the engine's own abort must happen.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._streams: dict[str, asyncio.Task[None]] = {}
+
+    @abc.abstractmethod
+    def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
+        """Yield deltas then one :class:`Finished`; raise :class:`EngineError` on failure."""
+
+    def submit(self, request: GenerationRequest) -> None:
+        rid = request.request_id
+        self._streams[rid] = asyncio.get_running_loop().create_task(
+            self._pump(request), name=f"{self.name}-{rid}"
+        )
+
+    def abort(self, request_id: str) -> None:
+        task = self._streams.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    async def close(self) -> None:
+        """Cancel every stream still running and wait until each has cleaned up."""
+        tasks = list(self._streams.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await super().close()
+
+    async def _pump(self, request: GenerationRequest) -> None:
+        rid, put = request.request_id, self.outputs.put
+        terminal: Output = EngineError(
+            "engine_error", "the engine stream ended without a finish reason"
+        )
+        events = self.stream(request)
+        try:
+            try:
+                async for event in events:
+                    if isinstance(event, Finished):
+                        terminal = event
+                        break
+                    put(rid, event)
+            finally:
+                # The stream's cleanup (its engine abort) runs here and now, even when
+                # this task is cancelled or the stream is left at Finished.
+                aclose = getattr(events, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+        except asyncio.CancelledError:
+            # abort(): the stream is closed (which aborted it in the engine); say so.
+            terminal = Finished("cancelled", Usage(0, 0))
+        except EngineError as exc:
+            terminal = exc
+        except Exception as exc:  # an engine bug must not take the gateway down
+            log.exception("%s stream for %s crashed", self.name, rid)
+            terminal = EngineError("engine_error", f"the engine failed: {exc!r}")
+        finally:
+            del self._streams[rid]
+            put(rid, terminal)
 
 
 def chat_messages(messages: Sequence[Message]) -> list[dict[str, str]]:

@@ -4,9 +4,10 @@
 templates) inside this process. ``handle_chat_completions(body, callback)``
 blocks its calling thread and calls ``callback(chunk)`` for every streamed
 chunk; returning ``True`` stops that generation. So every generation runs on a
-worker thread of its own that hands chunks to the event loop with
-``loop.call_soon_threadsafe``; cancelling the consuming task sets a flag that
-the callback reads at the next chunk. While the answer streams that stops
+worker thread of its own that hands chunks to the scheduler through the
+engine's output channel (one loop callback per burst, whatever the number of
+threads and tokens); ``abort`` sets a flag that the callback reads at the next
+chunk. While the answer streams that stops
 llama.cpp within one token. During the prompt's prefill llama.cpp calls back
 only because the engine asks for progress reports (``return_progress``), one
 per prompt batch of ``prefill_batch`` tokens, so there a cancel or ``close()``
@@ -32,7 +33,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -47,7 +48,8 @@ from gateway.engines.base import (
     FinishReason,
     GenerationRequest,
     Message,
-    StreamEvent,
+    Output,
+    PromptTokens,
     TextDelta,
     Usage,
     chat_messages,
@@ -196,7 +198,7 @@ class SlotTable:
 
     llama.cpp keeps a slot's last prompt in its KV cache, so sending a
     conversation's next turn to the same slot (``id_slot``) makes only the new
-    tokens cost prefill. Only the event loop thread touches this table.
+    tokens cost prefill. The engine's lock guards it.
     """
 
     def __init__(self, slots: int) -> None:
@@ -231,30 +233,24 @@ class SlotTable:
         self._busy.discard(slot)
 
 
-@dataclass(eq=False)  # compared by identity: the engine keeps a set of them
+@dataclass(eq=False)
 class _Generation:
-    """One generation's state shared between its worker thread and the event loop."""
+    """One generation's state, shared between its worker thread and the event loop."""
 
     request: GenerationRequest
     slot: int
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue[StreamEvent | BaseException | None] = field(default_factory=asyncio.Queue)
+    loop: asyncio.AbstractEventLoop  # the one submit() ran on: where the end is reported
     cancelled: threading.Event = field(default_factory=threading.Event)
+    aborted: bool = False  # abort() (not close()) is why ``cancelled`` is set
+    thread: threading.Thread | None = None
     finish_reason: FinishReason = "stop"
     usage: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, Any] = field(default_factory=dict)
     error: dict[str, Any] | None = None
     decoded: int = 0  # tokens generated so far, as llama.cpp counts them
+    prompt_reported: bool = False
     stopped: bool = False  # the callback stopped llama.cpp because of ``cancelled``
     failure: BaseException | None = None  # what the callback raised (llama.cpp hides it)
-
-    def emit(self, item: StreamEvent | BaseException | None) -> bool:
-        """Hand ``item`` to the consuming task; False once the loop is gone."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
-        except RuntimeError:  # the loop closed under us: nobody is listening
-            return False
-        return True
 
 
 class LlamaCppEngine(Engine):
@@ -285,12 +281,12 @@ class LlamaCppEngine(Engine):
         self.prefill_batch = prefill_batch
         self.tokens_after_cancel = 0
         """Tokens llama.cpp delivered after their generation was cancelled (tests watch it)."""
+        super().__init__()
         self._lock = threading.Lock()
         self._server: Any = None
         self._api: _LoopbackApi | None = None
         self._slot_table = SlotTable(slots)
-        self._workers: set[threading.Thread] = set()
-        self._generations: set[_Generation] = set()
+        self._generations: dict[str, _Generation] = {}  # by request id, until reported ended
 
     @property
     def capacity(self) -> int:
@@ -308,6 +304,7 @@ class LlamaCppEngine(Engine):
         """Load the model once, on a thread so the event loop keeps serving /healthz."""
         if self._server is not None:
             return
+        self.outputs.bind(asyncio.get_running_loop())
         began = time.perf_counter()
         api_key = secrets.token_urlsafe(24)
         self._server = await _in_thread(lambda: self._load(api_key), "llamacpp-load")
@@ -355,72 +352,63 @@ class LlamaCppEngine(Engine):
     async def close(self) -> None:
         """Stop every generation, wait for its thread, then free the model."""
         self._ready = False
-        for generation in list(self._generations):
+        generations = list(self._generations.values())
+        for generation in generations:
             generation.cancelled.set()
-        workers = list(self._workers)
 
         def join_all() -> None:
-            for worker in workers:
-                worker.join()
+            for generation in generations:
+                assert generation.thread is not None
+                generation.thread.join()
 
-        if workers:
+        if generations:
             await _in_thread(join_all, "llamacpp-drain")
+            await asyncio.sleep(0)  # their _worker_done callbacks free the slots
         server, self._server, self._api = [self._server], None, None
         if server[0] is not None:
             # Dropping the last reference runs ~Server, which joins llama.cpp's
             # loop thread: do it off the event loop.
             await _in_thread(server.clear, "llamacpp-close")
 
-    async def stream(self, request: GenerationRequest) -> AsyncGenerator[StreamEvent, None]:
+    def submit(self, request: GenerationRequest) -> None:
+        rid = request.request_id
         # Not ready also while close() runs: a worker started then would outlive the model.
         if not self._ready or self._server is None:
-            raise EngineError("engine_not_ready", "the llamacpp engine is not started")
-        generation = _Generation(
-            request=request,
-            slot=self._slot_table.acquire(request.affinity_key),
-            loop=asyncio.get_running_loop(),
+            self.outputs.put(
+                rid, EngineError("engine_not_ready", "the llamacpp engine is not started")
+            )
+            return
+        with self._lock:
+            slot = self._slot_table.acquire(request.affinity_key)
+        generation = _Generation(request, slot, asyncio.get_running_loop())
+        generation.thread = threading.Thread(
+            target=self._work, args=(generation,), name=f"llamacpp-{rid}", daemon=True
         )
-        worker = threading.Thread(
-            target=self._work, args=(generation,), name=f"llamacpp-{request.request_id}"
-        )
-        self._generations.add(generation)
-        self._workers.add(worker)
-        worker.start()
-        ended = False  # the worker's last event (None) has been received
-        finished: Finished | None = None
-        try:
-            while (item := await generation.events.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                if isinstance(item, Finished):
-                    finished = item  # held back until the slot is free, below
-                else:
-                    yield item
-            ended = True
-        finally:
-            # Normal end, error or cancellation alike. Once the flag is set the
-            # callback returns True at the next chunk: within one token while the
-            # answer streams, within one prompt batch during prefill.
+        self._generations[rid] = generation
+        generation.thread.start()
+
+    def abort(self, request_id: str) -> None:
+        # The callback reads the flag at the next chunk and returns True: within one
+        # token while the answer streams, within one prompt batch during prefill.
+        generation = self._generations.get(request_id)
+        if generation is not None:
+            generation.aborted = True
             generation.cancelled.set()
-            # Waiting for the worker's last event (not joining it) keeps the loop free.
-            # Cancelled (again) while waiting, the wait goes on: llama.cpp still uses
-            # the slot until the worker is done, so it is freed only then.
-            recancelled = False
-            while not ended:
-                try:
-                    ended = await generation.events.get() is None
-                except asyncio.CancelledError:
-                    recancelled = True
-            worker.join()  # it has sent its last event: only its exit is left
-            self._workers.discard(worker)
-            self._generations.discard(generation)
+
+    def _worker_done(self, generation: _Generation, terminal: Output) -> None:
+        """On the loop, once the worker has handed over its last output: free the slot,
+        then report the end (after the worker's deltas: ``put`` flushes them first)."""
+        assert generation.thread is not None
+        generation.thread.join()  # only its exit is left
+        self._let_go(generation)
+        self.outputs.put(generation.request.request_id, terminal)
+
+    def _let_go(self, generation: _Generation) -> None:
+        # Under the lock: normally on the loop, but on the worker thread when the loop
+        # that submitted the generation is gone (nobody will read its end).
+        with self._lock:
+            self._generations.pop(generation.request.request_id, None)
             self._slot_table.release(generation.slot)
-            if recancelled:
-                raise asyncio.CancelledError
-        # Yielded last, with nothing held any more: a consumer may stop iterating
-        # at Finished without closing the generator and still leak nothing.
-        if finished is not None:
-            yield finished
 
     # --- the worker thread -------------------------------------------------------
 
@@ -436,6 +424,7 @@ class LlamaCppEngine(Engine):
                 generation.failure = exc
                 return True
 
+        terminal: Output
         try:
             messages = self._fit(generation.request)
             generation.stopped = generation.cancelled.is_set()
@@ -447,15 +436,22 @@ class LlamaCppEngine(Engine):
                 ) from generation.failure
             if generation.error is not None:
                 raise _error_from(generation.error)
-            if generation.stopped:
-                # Only close() can be behind this if the consumer still listens;
-                # a cancelled consumer drops it unread.
-                raise EngineError("engine_closed", "the engine shut down during the generation")
-            generation.emit(Finished(generation.finish_reason, _usage(generation)))
-        except BaseException as exc:
-            generation.emit(exc)
-        finally:
-            generation.emit(None)
+            if generation.stopped and generation.aborted:
+                terminal = Finished("cancelled", _usage(generation))
+            elif generation.stopped:
+                terminal = EngineError(
+                    "engine_closed", "the engine shut down during the generation"
+                )
+            else:
+                terminal = Finished(generation.finish_reason, _usage(generation))
+        except EngineError as exc:
+            terminal = exc
+        except Exception as exc:
+            terminal = EngineError("engine_error", f"the llamacpp engine failed: {exc!r}")
+        try:
+            generation.loop.call_soon_threadsafe(self._worker_done, generation, terminal)
+        except RuntimeError:  # the loop closed: nobody listens, but the slot is free
+            self._let_go(generation)
 
     def _fit(self, request: GenerationRequest) -> tuple[Message, ...]:
         """Drop the oldest turns until the prompt plus the answer budget fits one slot."""
@@ -509,6 +505,12 @@ class LlamaCppEngine(Engine):
                     self.tokens_after_cancel += 1
             return True
         if "prompt_progress" in chunk:  # prefill under way: no text, no final counts
+            if not generation.prompt_reported:
+                # The prompt is counted (and its cached part known) before prefill starts.
+                generation.prompt_reported = True
+                progress = chunk["prompt_progress"]
+                prompt = PromptTokens(int(progress.get("total", 0)), int(progress.get("cache", 0)))
+                return not self.outputs.put_threadsafe(generation.request.request_id, prompt)
             return False
         for choice in choices:
             if choice.get("finish_reason") == "length":
@@ -521,8 +523,9 @@ class LlamaCppEngine(Engine):
         # become a stop sequence): the running decode count says how many.
         decoded = int(generation.timings.get("predicted_n", generation.decoded + 1))
         tokens, generation.decoded = max(1, decoded - generation.decoded), decoded
-        # The loop is gone (emit failed): nobody is listening, stop generating.
-        return not generation.emit(TextDelta(text, tokens))
+        # The loop is gone: nobody is listening, stop generating.
+        delta: Output = text if tokens == 1 else TextDelta(text, tokens)
+        return not self.outputs.put_threadsafe(generation.request.request_id, delta)
 
 
 def _usage(generation: _Generation) -> Usage:

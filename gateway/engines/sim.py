@@ -6,7 +6,8 @@ prompt counted from the whole rendered conversation, steps on a fixed clock
 whatever the event loop is doing (as a GPU's are), a deterministic answer
 derived from the prompt (with Korean and emoji, so UTF-8 handling is
 exercised), ``max_output_tokens`` and ``stop`` honoured, and an aborted stream
-dropped at the next step boundary. Fault knobs make it fail or stall on demand.
+dropped at the next step boundary. Each step is reported to the scheduler as one
+batch, as a real engine's iteration is. Fault knobs make it fail or stall on demand.
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
-import itertools
 import random
 import re
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from gateway.engines.base import (
     Engine,
@@ -29,8 +29,8 @@ from gateway.engines.base import (
     FinishReason,
     GenerationRequest,
     Message,
-    StreamEvent,
-    TextDelta,
+    PromptTokens,
+    StepOutput,
     Usage,
     fit_to_context,
 )
@@ -112,12 +112,12 @@ def _cut_at_stop(tokens: list[str], stop: Sequence[str]) -> list[str]:
 
 @dataclass(eq=False, slots=True)
 class _Stream:
+    request_id: str
     tokens: deque[str]
     finish: FinishReason
     usage_in: int
-    out: asyncio.Queue[StreamEvent | EngineError] = field(default_factory=asyncio.Queue)
     generated: int = 0
-    aborted: bool = False
+    aborted: bool = False  # abort() asked: confirmed and dropped at the next step
 
 
 class SimEngine(Engine):
@@ -133,13 +133,14 @@ class SimEngine(Engine):
         fail_after: int | None = None,
         stall_after: int | None = None,
     ) -> None:
+        super().__init__()
         self.step_s = step_ms / 1000
         self.max_batch = max_batch
         self.response_tokens = response_tokens
         self.context_tokens = context_tokens
         self.fail_after = fail_after
         self.stall_after = stall_after
-        self._streams: deque[_Stream] = deque()
+        self._streams: dict[str, _Stream] = {}  # in arrival order: the first max_batch run
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self.steps = 0
@@ -153,13 +154,13 @@ class SimEngine(Engine):
     @property
     def active(self) -> int:
         """Streams the step loop still holds (aborted ones leave at the next step)."""
-        return sum(not s.aborted for s in self._streams)
+        return len(self._streams)
 
     async def start(self) -> None:
+        await super().start()
         self._loop_task = asyncio.get_running_loop().create_task(
             self._step_loop(), name="sim-steps"
         )
-        await super().start()
 
     async def close(self) -> None:
         await super().close()
@@ -168,25 +169,23 @@ class SimEngine(Engine):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
             self._loop_task = None
+        self._streams.clear()
 
     def describe(self) -> dict[str, object]:
         return {"model": "sim", "step_ms": self.step_s * 1000, "max_batch": self.max_batch}
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
-        stream = self._open(request)
-        self._streams.append(stream)
-        self._wake.set()
+    def submit(self, request: GenerationRequest) -> None:
         try:
-            while True:
-                item = await stream.out.get()
-                if isinstance(item, EngineError):
-                    raise item
-                yield item
-                if isinstance(item, Finished):
-                    return
-        finally:
-            # Runs when the consumer is cancelled too: the step loop drops the
-            # stream at its next step, so nothing more is generated for it.
+            stream = self._open(request)
+        except EngineError as exc:
+            self.outputs.put(request.request_id, exc)
+            return
+        self._streams[request.request_id] = stream
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
             stream.aborted = True
 
     def _open(self, request: GenerationRequest) -> _Stream:
@@ -200,7 +199,7 @@ class SimEngine(Engine):
         finish: FinishReason = "stop"
         if budget is not None and len(tokens) > budget:
             tokens, finish = tokens[:budget], "length"
-        return _Stream(deque(tokens), finish, count_tokens(messages))
+        return _Stream(request.request_id, deque(tokens), finish, count_tokens(messages))
 
     async def _step_loop(self) -> None:
         # Steps fall due on a fixed clock, as on a GPU that computes whatever the
@@ -222,28 +221,44 @@ class SimEngine(Engine):
             await asyncio.sleep(max(0.0, due - loop.time()))
 
     def _step(self) -> None:
-        """One engine iteration: drop aborted streams, one token for each of the batch."""
+        """One engine iteration: confirm aborts, one token for each of the batch, and
+        report the whole step to the scheduler at once."""
         self.steps += 1
-        self._streams = deque(s for s in self._streams if not s.aborted)
-        for stream in itertools.islice(self._streams, self.max_batch):  # _advance never resizes it
-            self._advance(stream)
+        out: list[StepOutput] = []
+        ended: list[str] = []
+        running = 0
+        for stream in self._streams.values():
+            if stream.aborted:
+                usage = Usage(stream.usage_in, stream.generated)
+                out.append((stream.request_id, Finished("cancelled", usage)))
+                ended.append(stream.request_id)
+            elif running < self.max_batch:
+                running += 1
+                if self._advance(stream, out):
+                    ended.append(stream.request_id)
+        for request_id in ended:
+            del self._streams[request_id]
+        if out:
+            self.outputs.put_step(out)
 
-    def _advance(self, stream: _Stream) -> None:
-        if stream.aborted:
-            self.tokens_after_abort += 1
+    def _advance(self, stream: _Stream, out: list[StepOutput]) -> bool:
+        """Append this step's output for ``stream``; True when it ended."""
+        rid = stream.request_id
         if self.fail_after is not None and stream.generated >= self.fail_after:
-            stream.out.put_nowait(EngineError("engine_error", "simulated engine failure"))
-            stream.aborted = True
-            return
+            out.append((rid, EngineError("engine_error", "simulated engine failure")))
+            return True
         if self.stall_after is not None and stream.generated >= self.stall_after:
-            return
+            return False
         if stream.tokens:
+            if not stream.generated:
+                out.append((rid, PromptTokens(stream.usage_in)))
             stream.generated += 1
             self.tokens_generated += 1
-            stream.out.put_nowait(TextDelta(stream.tokens.popleft()))
-        if not stream.tokens:
-            stream.out.put_nowait(Finished(stream.finish, Usage(stream.usage_in, stream.generated)))
-            stream.aborted = True  # finished: leaves the batch at the next step
+            out.append((rid, stream.tokens.popleft()))
+        if stream.tokens:
+            return False
+        out.append((rid, Finished(stream.finish, Usage(stream.usage_in, stream.generated))))
+        return True
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:

@@ -40,7 +40,6 @@ from typing import Any, TypeVar
 
 from gateway.engines.base import (
     ContextOverflowError,
-    Engine,
     EngineError,
     EngineUnavailableError,
     Finished,
@@ -49,6 +48,7 @@ from gateway.engines.base import (
     Message,
     SamplingParams,
     StreamEvent,
+    StreamingEngine,
     TextDelta,
     Usage,
     chat_messages,
@@ -157,7 +157,7 @@ def _import_tensorrt_llm() -> tuple[Any, Any]:
     return trtllm, llmapi
 
 
-class TrtllmEngine(Engine):
+class TrtllmEngine(StreamingEngine):
     """One shared TensorRT-LLM ``LLM``; every generation is one streaming request."""
 
     name = "trtllm"
@@ -165,6 +165,7 @@ class TrtllmEngine(Engine):
     def __init__(self, settings: TrtllmSettings, *, llm: Any = None) -> None:
         """``llm``: an already loaded ``tensorrt_llm.LLM`` to serve instead of loading one
         (bench/trtllm_smoke.py shares its LLM this way); ``settings.model`` must name it."""
+        super().__init__()
         self.settings = settings
         self._llm: Any = None
         self._preloaded = llm

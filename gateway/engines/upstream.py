@@ -39,13 +39,13 @@ import orjson
 
 from gateway.engines.base import (
     ContextOverflowError,
-    Engine,
     EngineError,
     EngineUnavailableError,
     Finished,
     FinishReason,
     GenerationRequest,
     StreamEvent,
+    StreamingEngine,
     TextDelta,
     Usage,
     chat_messages,
@@ -134,7 +134,7 @@ class _ReplicaFailed(Exception):
         self.down = down  # False for "busy" answers (429): try elsewhere, keep it in
 
 
-class UpstreamEngine(Engine):
+class UpstreamEngine(StreamingEngine):
     name = "upstream"
 
     def __init__(
@@ -153,6 +153,7 @@ class UpstreamEngine(Engine):
             raise EngineUnavailableError(
                 "--upstream-slots must be at least 1 and the health interval positive"
             )
+        super().__init__()
         self.model = model
         self.api_key = api_key
         self.health_interval = health_interval
