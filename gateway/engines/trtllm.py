@@ -26,11 +26,11 @@ Fatal executor errors (a dead worker process, a C++ executor error): TensorRT-LL
 in the executor's error queue and acts on them the next time something submits a request or
 handles a response, by shutting the executor down *on that thread* (the event loop) and
 raising (``executor/executor.py``, ``_handle_background_error``); outputs already waiting get
-nothing more. So the adapter looks first, off the loop's critical path: before each request
-and every ``health_check_s``, it reads the executor's shutdown flag and error queue without
-blocking. On a failure it ends every live stream with ``engine_unavailable``, shuts the LLM
-down on a thread, logs one line and reports it through :meth:`Engine._fail` (``ready`` False;
-the CLI then exits so that a supervisor restarts the gateway, as trtllm-serve does).
+nothing more. So the adapter looks first: before each request and every ``health_check_s``
+it reads the executor's shutdown flag and error queue, which never blocks. On a failure it
+ends every live stream with ``engine_unavailable``, shuts the LLM down on a thread, logs one
+line and reports it through :meth:`Engine._fail` (``ready`` False; the CLI then exits so that
+a supervisor restarts the gateway, as trtllm-serve does).
 
 Blocking calls (loading, shutting down) each run on a thread of their own that the call
 joins; ``close()`` also joins any such thread a cancelled ``start()`` left running, so no
@@ -698,7 +698,8 @@ class TrtllmEngine(Engine):
 CLOSED_MESSAGE = "the TensorRT-LLM engine was closed during the answer"
 # The worker's refusal of a prompt that leaves no room (executor/base_worker.py,
 # _deduce_max_tokens): "`default_max_tokens` (-3) must be greater than 0, ... = max_seq_len
-# (4096) - `splited_prompt_len` (4099)"; older releases word it "should be greater than 0".
+# (4096) - `splited_prompt_len` (4099)". Earlier 1.x releases only warned there and failed such
+# a request later, in words the second pattern guesses at; bench/trtllm_smoke.py checks it.
 _PROMPT_TOO_LONG = re.compile(r"default_max_tokens.*greater than 0|exceeds? .*max_seq_len", re.S)
 _MAX_SEQ_LEN = re.compile(r"max_seq_len \((\d+)\)")
 

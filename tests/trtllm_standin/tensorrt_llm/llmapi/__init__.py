@@ -122,7 +122,7 @@ class RequestOutput:
         except RuntimeError:
             self._loop = None
         self._queue: Any = asyncio.Queue() if self._loop else queue_mod.Queue()
-        self.deliver = _standin.make_deliver(self._loop, self._queue)
+        self._deliver = _standin.make_deliver(self._loop, self._queue)
 
     @property
     def finished(self) -> bool:
@@ -335,7 +335,7 @@ class LLM:
         record = _standin.RequestRecord(next(_ids), prompt, ids, sp, streaming)
         output = RequestOutput(executor, self._tokenizer, record, streaming)
         _standin.stats._add_request(record)
-        executor.submit(record, output.deliver)
+        executor.submit(record, output._deliver)
         return output
 
     def shutdown(self) -> None:
