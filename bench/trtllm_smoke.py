@@ -1,14 +1,28 @@
 """Smoke test for the TensorRT-LLM engine on a GPU machine (not part of CI).
 
-Needs an NVIDIA GPU and ``pip install -e '.[trtllm]'``. It loads one small model once and:
+Needs an NVIDIA GPU and TensorRT-LLM (see docs/trtllm.md for the install routes). It loads
+one small model once and:
 
 1. shows TensorRT-LLM's three generation modes side by side: synchronous ``llm.generate``,
    ``generate_async`` awaited for several prompts with ``asyncio.gather``, and
    ``generate_async(..., streaming=True)`` printing only the new text (``text_diff``);
 2. serves that same LLM through the gateway in-process (``--engine trtllm``'s adapter) and
    drives it with a raw ``websockets`` client: one full answer (time to first token,
-   tokens/s), then one answer cancelled mid-stream (cancel-to-``response.done`` latency, and
-   whether the engine still runs anything afterwards).
+   tokens/s), then one answer cancelled mid-stream (cancel-to-``response.done`` latency);
+3. checks the points of issue 14 that only a GPU can settle, each ending in a line
+   ``[item N] PASS|FAIL|SKIP: ...``:
+
+   - item 10: the LLM was built on a worker thread (or, with ``--load-on-main-thread``, on
+     the main thread before anything else) and served answers;
+   - item 1: the context limit the adapter derived, against the limit TensorRT-LLM's worker
+     really enforces (a prompt far over it must be refused with a message naming it); a long
+     conversation is trimmed and still answered, and one oversized message is answered
+     with ``context_length_exceeded``, not ``engine_error``;
+   - item 3 (last, it destroys the engine; ``--skip-crash`` to leave it out): every worker
+     process is killed mid-answer; the live answer must end ``failed`` with
+     ``engine_unavailable``, ``/readyz`` must turn 503, and the event loop must never stall.
+
+The exit status is 1 if any check failed.
 
 Run: ``python bench/trtllm_smoke.py --model TinyLlama/TinyLlama-1.1B-Chat-v1.0``
 """
@@ -19,8 +33,13 @@ import argparse
 import asyncio
 import json
 import logging
+import os
+import signal
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +49,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.typing import Subprotocol
 
 from gateway.config import GatewayConfig
-from gateway.engines.trtllm import TrtllmEngine, TrtllmSettings
+from gateway.engines.trtllm import TrtllmEngine, TrtllmSettings, build_llm
 from gateway.server import Gateway
 
 QUESTIONS = [
@@ -40,19 +59,39 @@ QUESTIONS = [
     "Why does batching raise GPU throughput?",
 ]
 LONG_ASK = "Write a long, detailed story about a lighthouse keeper. Take your time."
+CRASH_DEADLINE_S = 30.0
+MAX_LOOP_STALL_S = 0.5
+RESULTS: list[tuple[str, str, str]] = []  # (item, PASS|FAIL|SKIP, why)
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--model", default="TinyLlama/TinyLlama-1.1B-Chat-v1.0")
     parser.add_argument("--max-tokens", type=int, default=96, help="answer budget per prompt")
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--kv-cache-fraction", type=float, default=0.5)
+    parser.add_argument(
+        "--kv-cache-tokens", type=int, default=None, help="KV cache size (caps the context)"
+    )
     parser.add_argument("--cancel-after", type=int, default=10, help="deltas before the cancel")
+    parser.add_argument(
+        "--load-on-main-thread",
+        action="store_true",
+        help="build the LLM on the main thread (the documented fallback of item 10)",
+    )
+    parser.add_argument(
+        "--skip-crash", action="store_true", help="leave out item 3 (it kills the worker)"
+    )
     return parser.parse_args()
 
 
-# -- part 1: the three modes of the LLM API ----------------------------------------------
+def record(item: str, ok: bool | None, why: str) -> None:
+    verdict = "SKIP" if ok is None else "PASS" if ok else "FAIL"
+    RESULTS.append((item, verdict, why))
+    print(f"[{item}] {verdict}: {why}", flush=True)
+
+
+# -- part 1: loading and the three modes of the LLM API ----------------------------------
 
 
 def settings(args: argparse.Namespace) -> TrtllmSettings:
@@ -60,16 +99,23 @@ def settings(args: argparse.Namespace) -> TrtllmSettings:
         model=args.model,
         max_batch_size=args.max_batch_size,
         kv_cache_fraction=args.kv_cache_fraction,
+        kv_cache_tokens=args.kv_cache_tokens,
     )
 
 
-def load(args: argparse.Namespace) -> Any:
-    """Load through the adapter's own start(): LLM(...) built in a worker thread."""
-    engine = TrtllmEngine(settings(args))
+def load(args: argparse.Namespace) -> tuple[Any, threading.Thread]:
+    """Build the LLM as the gateway would: by default through the adapter's start(), which
+    builds it on a worker thread; with --load-on-main-thread here, on the main thread."""
     began = time.perf_counter()
-    asyncio.run(engine.start())
-    print(f"loaded {args.model} in {time.perf_counter() - began:.1f}s: {engine.describe()}")
-    return engine.llm
+    if args.load_on_main_thread:
+        llm, builder = build_llm(settings(args)), threading.current_thread()
+    else:
+        engine = TrtllmEngine(settings(args))
+        asyncio.run(engine.start())
+        llm, builder = engine.llm, engine.built_on
+        assert builder is not None
+    print(f"loaded {args.model} in {time.perf_counter() - began:.1f}s on thread {builder.name!r}")
+    return llm, builder
 
 
 def chat_prompt(llm: Any, question: str) -> str:
@@ -138,28 +184,38 @@ async def send(ws: ClientConnection, event: dict[str, Any]) -> None:
     await ws.send(json.dumps(event))
 
 
-async def next_event(ws: ClientConnection, *types: str) -> dict[str, Any]:
+async def next_event(ws: ClientConnection, *types: str, errors: bool = False) -> dict[str, Any]:
+    """The next event of one of ``types``; an error event raises unless ``errors``."""
     while True:
         event: dict[str, Any] = json.loads(await asyncio.wait_for(ws.recv(), 60))
-        if event["type"] == "error":
+        if event["type"] == "error" and not errors:
             raise RuntimeError(f"gateway error: {event['error']}")
         if not types or event["type"] in types:
             return event
 
 
-async def say(ws: ClientConnection, text: str) -> None:
+async def say(ws: ClientConnection, text: str, role: str = "user") -> None:
+    part = "output_text" if role == "assistant" else "input_text"
     await send(
         ws,
         {
             "type": "conversation.item.create",
-            "item": {
-                "type": "message",
-                "role": "user",
-                "content": [{"type": "input_text", "text": text}],
-            },
+            "item": {"type": "message", "role": role, "content": [{"type": part, "text": text}]},
         },
     )
     await next_event(ws, "conversation.item.done")
+
+
+async def answer(ws: ClientConnection, **response: Any) -> tuple[dict[str, Any], list[str]]:
+    """response.create; the response.done and the codes of the error events before it."""
+    await send(ws, {"type": "response.create", "response": response})
+    codes = []
+    while True:
+        event = await next_event(ws, "response.done", "error", errors=True)
+        if event["type"] == "error":
+            codes.append(event["error"].get("code") or "")
+            continue
+        return event, codes
 
 
 async def full_turn(ws: ClientConnection) -> None:
@@ -206,13 +262,161 @@ async def cancelled_turn(ws: ClientConnection, gateway: Gateway, cancel_after: i
     print(f"    {late} delta frames in flight, engine running now: {gateway.scheduler.running}")
 
 
-async def gateway_mode(llm: Any, args: argparse.Namespace) -> None:
+# -- part 3: issue 14's GPU checks -------------------------------------------------------
+
+
+def filler(llm: Any, tokens: int) -> str:
+    """Text of about ``tokens`` tokens for this tokenizer."""
+    per_word = max(1, len(llm.tokenizer.encode(" hello" * 8, add_special_tokens=False)) // 8)
+    return "hello " * (tokens // per_word)
+
+
+async def check_context(engine: TrtllmEngine, url: str) -> None:
+    """Item 1: the limit the adapter derived against the one TensorRT-LLM enforces."""
+    from tensorrt_llm import SamplingParams
+
+    llm, context = engine.llm, engine.context
+    print(f"[item 1] the adapter assumes {context.tokens} tokens, from {context.source}")
+    max_num_tokens = int(getattr(llm.args, "max_num_tokens", None) or 2 * context.tokens)
+    probe_len = min(max_num_tokens, 2 * context.tokens)
+    word = llm.tokenizer.encode("hello", add_special_tokens=False)[-1]
+    refusal = None
+    try:
+        output = llm.generate_async([word] * probe_len, SamplingParams(max_tokens=1))
+        await output.aresult()
+    except Exception as exc:  # the RequestError from the worker's admission
+        refusal = str(exc)
+    worker = _worker_limit(refusal)
+    async with connect(url, subprotocols=[Subprotocol("realtime")]) as ws:
+        await next_event(ws, "session.created")
+        await say(ws, filler(llm, context.tokens))  # an old turn as long as the window
+        await say(ws, "Thanks.", role="assistant")
+        await say(ws, "Now say hello in one word.")
+        trimmed, trimmed_errors = await answer(ws, max_output_tokens=16)
+    async with connect(url, subprotocols=[Subprotocol("realtime")]) as ws:
+        await next_event(ws, "session.created")
+        await say(ws, filler(llm, context.tokens + 200))
+        _, oversized_errors = await answer(ws, max_output_tokens=16)
+    problems = []
+    if refusal is None:
+        problems.append(f"the worker accepted a {probe_len}-token prompt")
+    elif worker is None:
+        problems.append(f"the worker's refusal does not name its limit: {refusal[:200]!r}")
+    elif worker < engine.context.tokens:
+        problems.append(f"the worker's limit {worker} < the adapter's {engine.context.tokens}")
+    if trimmed["response"]["status"] not in ("completed", "incomplete"):
+        problems.append(f"the long conversation was not answered: {trimmed_errors}")
+    if oversized_errors != ["context_length_exceeded"]:
+        problems.append(f"the oversized message gave {oversized_errors}")
+    summary = (
+        f"adapter {engine.context.tokens} tokens ({engine.context.source}), worker limit "
+        f"{worker}; long conversation {trimmed['response']['status']}, oversized message "
+        f"{oversized_errors}"
+    )
+    record("item 1", not problems, "; ".join(problems) or summary)
+
+
+def _worker_limit(refusal: str | None) -> int | None:
+    import re
+
+    found = re.search(r"max_seq_len \((\d+)\)", refusal or "")
+    return int(found.group(1)) if found else None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, their children...), from /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [child for child, ppid in parents.items() if ppid == parent]
+        found += children
+        frontier += children
+    return found
+
+
+async def check_crash(engine: TrtllmEngine, gateway: Gateway, url: str, http: str) -> None:
+    """Item 3: kill the worker mid-answer; the answer, /readyz and the loop must all cope."""
+    workers = descendants(os.getpid())
+    if not workers:
+        record("item 3", None, "no worker process to kill (the executor runs in this process)")
+        return
+    stall = 0.0
+
+    async def heartbeat() -> None:
+        nonlocal stall
+        while True:
+            began = time.perf_counter()
+            await asyncio.sleep(0.01)
+            stall = max(stall, time.perf_counter() - began - 0.01)
+
+    beat = asyncio.create_task(heartbeat())
+    try:
+        async with connect(url, subprotocols=[Subprotocol("realtime")]) as ws:
+            await next_event(ws, "session.created")
+            await say(ws, LONG_ASK)
+            await send(ws, {"type": "response.create", "response": {"max_output_tokens": 1024}})
+            await next_event(ws, "response.output_text.delta")
+            killed_at = time.perf_counter()
+            for pid in workers:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+            print(f"[item 3] killed worker processes {workers} mid-answer")
+            try:
+                done = await asyncio.wait_for(
+                    next_event(ws, "response.done", errors=True), CRASH_DEADLINE_S
+                )
+            except TimeoutError:
+                done = None
+            took = time.perf_counter() - killed_at
+        readyz = await asyncio.to_thread(_status, f"{http}/readyz")
+    finally:
+        beat.cancel()
+    problems = []
+    if done is None:
+        problems.append(f"the live answer did not end within {CRASH_DEADLINE_S:.0f}s")
+    else:
+        error = done["response"].get("status_details", {}).get("error", {})
+        if (done["response"]["status"], error.get("code")) != ("failed", "engine_unavailable"):
+            problems.append(f"the live answer ended {done['response']['status']} {error}")
+    if readyz != 503:
+        problems.append(f"/readyz answered {readyz}")
+    if stall > MAX_LOOP_STALL_S:
+        problems.append(f"the event loop stalled for {stall:.2f}s")
+    if not gateway.engine_failed.is_set():
+        problems.append("the gateway was not told (engine_failed is not set)")
+    why = "; ".join(problems) or (
+        f"the answer failed with engine_unavailable {took:.1f}s after the kill, /readyz 503, "
+        f"longest loop stall {stall * 1000:.0f} ms, failure: {engine.failure}"
+    )
+    record("item 3", not problems, why)
+
+
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as error:
+        return int(error.code)
+
+
+async def gateway_mode(llm: Any, args: argparse.Namespace, builder: threading.Thread) -> None:
     engine = TrtllmEngine(settings(args), llm=llm)  # the LLM loaded above, on a new loop
     gateway = Gateway(engine, GatewayConfig(host="127.0.0.1", port=0))
     await gateway.start()
     try:
         await gateway.wait_ready()
-        url = f"ws://127.0.0.1:{gateway.port}/v1/realtime"
+        base = f"127.0.0.1:{gateway.port}"
+        url = f"ws://{base}/v1/realtime"
         async with connect(url, subprotocols=[Subprotocol("realtime")]) as ws:
             await next_event(ws, "session.created")
             await send(
@@ -230,23 +434,40 @@ async def gateway_mode(llm: Any, args: argparse.Namespace) -> None:
             await next_event(ws, "session.updated")
             await full_turn(ws)
             await cancelled_turn(ws, gateway, args.cancel_after)
+        where = "the main thread" if builder is threading.main_thread() else "a worker thread"
+        record(
+            "item 10",
+            True,
+            f"the LLM was built on {where} ({builder.name!r}) and served every answer above",
+        )
+        await check_context(engine, url)
+        if args.skip_crash:
+            record("item 3", None, "--skip-crash")
+        else:
+            await check_crash(engine, gateway, url, f"http://{base}")
     finally:
         await gateway.stop()  # also shuts the LLM down
 
 
-async def async_modes(llm: Any, args: argparse.Namespace) -> None:
+async def async_modes(llm: Any, args: argparse.Namespace, builder: threading.Thread) -> None:
     await gather_mode(llm, args)
     await streaming_mode(llm, args)
-    await gateway_mode(llm, args)
+    await gateway_mode(llm, args, builder)
 
 
-def main() -> None:
+def main() -> int:
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    llm = load(args)  # its loop is gone now: the LLM must not depend on it
+    try:
+        llm, builder = load(args)  # its loop is gone now: the LLM must not depend on it
+    except Exception as exc:
+        record("item 10", False, f"building the LLM failed: {exc!r}; retry --load-on-main-thread")
+        return 1
     sync_mode(llm, args)  # no loop running here, as llm.generate expects
-    asyncio.run(async_modes(llm, args))
+    asyncio.run(async_modes(llm, args, builder))
+    print("summary: " + ", ".join(f"{item} {verdict}" for item, verdict, _ in RESULTS))
+    return 1 if any(verdict == "FAIL" for _, verdict, _ in RESULTS) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

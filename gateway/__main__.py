@@ -14,7 +14,7 @@ from typing import Any
 
 from gateway import engines
 from gateway.config import GatewayConfig
-from gateway.engines.base import EngineError
+from gateway.engines.base import EngineError, EngineUnavailableError
 from gateway.server import Gateway
 
 log = logging.getLogger("gateway")
@@ -133,9 +133,19 @@ async def serve(gateway: Gateway) -> None:
         stopping.cancel()
         await gateway.stop()
         raise ready.exception()  # type: ignore[misc]
-    await stopping
+    failed = loop.create_task(gateway.engine_failed.wait())
+    await asyncio.wait({stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    failed.cancel()
     log.info("shutting down")
     await gateway.stop()
+    if gateway.engine.failure is not None:
+        # A fatal engine error: exit non-zero so that a supervisor starts a fresh gateway
+        # (trtllm-serve does the same); the live answers have already failed.
+        raise EngineUnavailableError(
+            f"engine {gateway.engine.name} failed ({gateway.engine.failure}); "
+            "exiting so that a supervisor can restart the gateway"
+        )
     log.info("stopped")
 
 
@@ -184,6 +194,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         websockets_log = logging.getLogger("websockets.server")
         websockets_log.setLevel(logging.WARNING)
         websockets_log.addFilter(lambda r: r.getMessage() != "opening handshake failed")
+    if args.workers > 1 and args.engine == "trtllm":
+        print(
+            "llm-gateway: --workers with --engine trtllm would load the model once per worker "
+            "on one GPU (each copy claims most of its memory): run one worker, or run "
+            "trtllm-serve replicas behind --engine upstream",
+            file=sys.stderr,
+        )
+        return 2
     if args.workers > 1 and args.worker_index is None:
         return run_workers(args, argv)
     try:

@@ -296,7 +296,8 @@ def _sampling(r: _Reader) -> dict[str, Any]:
     if r.has("top_p"):
         out["top_p"] = r.number("top_p", 0.0, 1.0)
     if r.has("seed"):
-        out["seed"] = r.integer("seed", -(2**63), 2**63 - 1)
+        # Unsigned 64-bit for every engine: TensorRT-LLM fails a request whose seed is not.
+        out["seed"] = r.integer("seed", 0, 2**64 - 1)
     if r.has("stop"):
         out["stop"] = r.stop("stop")
     if r.has("max_output_tokens"):

@@ -63,6 +63,9 @@ class Gateway:
         self._limits = SessionLimits(max_parallel_out_of_band=config.max_parallel_per_session)
         self._session_defaults = self._describe_sessions()
         self.started_at = time.time()
+        # Set when the engine fails for good (Engine._fail); the CLI then stops and exits.
+        self.engine_failed = asyncio.Event()
+        engine.on_failure = lambda _reason: self.engine_failed.set()
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -156,6 +159,7 @@ class Gateway:
         return {
             "status": "ok",
             "engine": self.engine.name,
+            "engine_details": self.engine.describe(),
             "worker": self.config.worker,
             "sessions": len(self.sessions),
             "responses": {"running": self.scheduler.running, "queued": self.scheduler.queued},

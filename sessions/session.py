@@ -449,14 +449,8 @@ class Session:
             self._in_conversation = None
             self.conversation.finish(r.item_id, text, item_status)
         if outcome.error is not None:
-            error_type = (
-                "invalid_request_error"
-                if outcome.error.code == "context_length_exceeded"
-                else "server_error"
-            )
-            self._error(
-                p.ProtocolError(outcome.error.code, outcome.error.message, error_type=error_type)
-            )
+            error = outcome.error
+            self._error(p.ProtocolError(error.code, error.message, error_type=error.error_type))
         put, ev = self.outbox.put, p.event
         ids = {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
         put(ev("response.output_text.done", **ids, text=text))
@@ -480,7 +474,7 @@ class Session:
             return {
                 "type": "failed",
                 "error": {
-                    "type": "server_error",
+                    "type": error.error_type if error else "server_error",
                     "code": error.code if error else "engine_error",
                     "message": error.message if error else "the engine failed",
                 },

@@ -21,7 +21,9 @@ from tests.harness import RawClient, RunningGateway, running_gateway
 
 
 async def test_health_and_routes(gw: RunningGateway) -> None:
-    assert await gw.get_json("/healthz") == {
+    health = await gw.get_json("/healthz")
+    assert health.pop("engine_details") == gw.gateway.engine.describe()
+    assert health == {
         "status": "ok",
         "engine": "sim",
         "worker": "0",

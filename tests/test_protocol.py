@@ -114,6 +114,16 @@ def test_out_of_band_response_with_its_own_input() -> None:
             "session.temperature",
         ),
         (
+            '{"type": "session.update", "session": {"seed": -1}}',
+            "invalid_value",
+            "session.seed",
+        ),
+        (  # past 2**64 - 1 the JSON parser yields a float: not an integer
+            '{"type": "response.create", "response": {"seed": 18446744073709551616}}',
+            "invalid_type",
+            "response.seed",
+        ),
+        (
             '{"type": "session.update", "session": {"max_output_tokens": 0}}',
             "invalid_value",
             "session.max_output_tokens",
@@ -162,6 +172,13 @@ def test_malformed_events(frame: str | bytes, code: str, param: str | None) -> N
     error = err(frame)
     assert (error.code, error.param) == (code, param)
     assert error.message
+
+
+def test_seed_is_any_unsigned_64_bit_integer() -> None:
+    # Every engine gets the same range: TensorRT-LLM's sampler takes a uint64 seed.
+    for seed in (0, 2**64 - 1):
+        event = p.decode(json.dumps({"type": "session.update", "session": {"seed": seed}}))
+        assert isinstance(event, p.SessionUpdate) and event.patch.seed == seed
 
 
 def test_error_event_carries_the_clients_event_id() -> None:

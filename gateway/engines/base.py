@@ -140,7 +140,13 @@ StreamEvent = TextDelta | ToolCallDelta | PromptTokens | Finished
 
 
 class EngineError(Exception):
-    """A generation that cannot run or broke; ``code`` is what a program matches on."""
+    """A generation that cannot run or broke; ``code`` is what a program matches on.
+
+    ``error_type`` is the protocol error type the client sees: ``server_error`` unless
+    the request itself was at fault (see :class:`InvalidRequestError`).
+    """
+
+    error_type: str = "server_error"
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -156,7 +162,14 @@ StepOutput: TypeAlias = tuple[str, Output]
 """``(request_id, output)``."""
 
 
-class ContextOverflowError(EngineError):
+class InvalidRequestError(EngineError):
+    """The engine refused what the client asked for (e.g. a conversation the model's chat
+    template rejects); the client can fix it, so it is an ``invalid_request_error``."""
+
+    error_type = "invalid_request_error"
+
+
+class ContextOverflowError(InvalidRequestError):
     """Even the newest message alone does not fit in the context window."""
 
     def __init__(self, message: str) -> None:
@@ -197,6 +210,25 @@ class Engine(abc.ABC):
     def ready(self) -> bool:
         """True once :meth:`start` has finished loading; ``/readyz`` reports it."""
         return self._ready
+
+    _failure: str | None = None
+    on_failure: Callable[[str], None] | None = None
+    """Called once, on the event loop, when the engine fails for good (see :meth:`_fail`)."""
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can no longer serve at all (a fatal engine error), else None."""
+        return self._failure
+
+    def _fail(self, reason: str) -> None:
+        """For engines: a fatal error. ``ready`` turns False for good and ``on_failure``
+        is told once; ending the engine's live streams is the engine's own job."""
+        if self._failure is not None:
+            return
+        self._failure = reason
+        self._ready = False
+        if self.on_failure is not None:
+            self.on_failure(reason)
 
     async def start(self) -> None:
         """Load the model. May take long; ``/readyz`` stays 503 until it returns.

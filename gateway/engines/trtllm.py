@@ -1,27 +1,43 @@
 """NVIDIA TensorRT-LLM engine (LLM API, PyTorch backend), streamed with ``generate_async``.
 
-A thin adapter over exactly these calls (TensorRT-LLM 1.x):
+A thin adapter over exactly these calls (TensorRT-LLM 1.x; file names below are in its
+``tensorrt_llm/`` tree, read at the 1.2 era):
 
 - ``LLM(model=..., backend="pytorch", kv_cache_config=KvCacheConfig(...), max_batch_size=...,
   max_num_tokens=..., tensor_parallel_size=...)``, built in a worker thread because it takes
-  minutes; ``ready`` stays False until it returns.
-- ``llm.generate_async(prompt, SamplingParams(...), streaming=True)`` returns a
+  minutes (``--load-on-main-thread``: in ``from_args``, before the server starts, instead);
+  ``ready`` stays False until it is loaded.
+- ``llm.generate_async(prompt_token_ids, SamplingParams(...), streaming=True)`` returns a
   ``RequestOutput`` at once. It binds to the event loop running at that call, so it is called
   inside the very coroutine that iterates it. ``async for out in request_output`` yields the
-  same object, updated cumulatively.
-- ``request_output.abort()`` is fire-and-forget; the engine drops the request within an
-  iteration or two and frees its KV cache blocks. Whenever the stream is left before the
-  request finished (task cancelled, generator closed, error), ``abort()`` is called.
-- ``llm.shutdown()`` joins the MPI workers, so it runs on a thread. It queues aborts for the
-  requests still running but does not promise them a final output: :meth:`TrtllmEngine.close`
-  ends its own streams first (``engine_closed``), so no consumer waits on a dead executor.
+  same object, updated cumulatively. The prompt is sent as the token ids the adapter counted
+  (a string would be tokenized again, on the event loop, by the input processor).
+- ``request_output.abort()`` is fire-and-forget: a running request ends a step or two later
+  with ``cancelled``; one still queued is dropped without any final output
+  (``_torch/pyexecutor/py_executor.py``, ``_handle_canceled_requests``). So after an abort
+  nothing waits for an answer: whenever the stream is left before its end (task cancelled,
+  generator closed, error), ``abort()`` is called and the stream is forgotten.
+- ``llm.shutdown()`` joins the worker processes, so it runs on a thread. It queues aborts but
+  promises no final outputs: :meth:`TrtllmEngine.close` ends its own streams first
+  (``engine_closed``). It may re-raise a stored background error at its end
+  (``executor/proxy.py``); that is logged, and closing still completes.
+
+Fatal executor errors (a dead worker process, a C++ executor error): TensorRT-LLM keeps them
+in the executor's error queue and acts on them the next time something submits a request or
+handles a response, by shutting the executor down *on that thread* (the event loop) and
+raising (``executor/executor.py``, ``_handle_background_error``); outputs already waiting get
+nothing more. So the adapter looks first: before each request and every ``health_check_s``
+it reads the executor's shutdown flag and error queue, which never blocks. On a failure it
+ends every live stream with ``engine_unavailable``, shuts the LLM down on a thread, logs one
+line and reports it through :meth:`Engine._fail` (``ready`` False; the CLI then exits so that
+a supervisor restarts the gateway, as trtllm-serve does).
 
 Blocking calls (loading, shutting down) each run on a thread of their own that the call
 joins; ``close()`` also joins any such thread a cancelled ``start()`` left running, so no
 thread of the engine outlives it.
 
-``tensorrt_llm`` is imported only in :meth:`TrtllmEngine.start`; ``add_arguments`` and
-``from_args`` never import it, so the gateway runs without it for the other engines.
+``tensorrt_llm`` is imported only when the model is loaded; ``add_arguments`` never imports
+it, so the gateway runs without it for the other engines.
 """
 
 from __future__ import annotations
@@ -29,12 +45,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import importlib
 import importlib.util
 import logging
+import re
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -45,6 +63,7 @@ from gateway.engines.base import (
     Finished,
     FinishReason,
     GenerationRequest,
+    InvalidRequestError,
     Message,
     SamplingParams,
     StreamEvent,
@@ -58,9 +77,15 @@ from gateway.engines.base import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# One line, printed by `--engine trtllm` when TensorRT-LLM cannot be imported. PyPI's
+# tensorrt_llm is only a stub that fetches the real wheel from NVIDIA's own index; those
+# wheels are for CPython 3.10 and 3.12 and need a libpython built as a shared library.
 INSTALL_HINT = (
-    "the trtllm engine needs NVIDIA TensorRT-LLM: on a machine with an NVIDIA GPU run "
-    "pip install -e '.[trtllm]'"
+    "the trtllm engine needs NVIDIA TensorRT-LLM on Linux with an NVIDIA GPU, which PyPI "
+    "alone cannot install: run the gateway in NVIDIA's TensorRT-LLM release container "
+    "(pip install -e . there), or use CPython 3.12 built with --enable-shared and run "
+    "pip install -e '.[trtllm]' with NVIDIA's package index as an extra index; "
+    "see docs/trtllm.md"
 )
 # Used when a session leaves a field unset: TensorRT-LLM would otherwise decode greedily.
 DEFAULT_TEMPERATURE = 0.8  # the OpenAI Realtime API's default
@@ -68,6 +93,8 @@ DEFAULT_TOP_P = 1.0
 # Prompt budget kept free for the answer when the answer's own budget is "inf".
 DEFAULT_ANSWER_RESERVE = 512
 LOAD_HEARTBEAT_S = 15.0
+HEALTH_CHECK_S = 1.0
+TOKENS_PER_BLOCK = 32  # KvCacheConfig.tokens_per_block's default (llmapi/llm_args.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +106,20 @@ class TrtllmSettings:
     kv_cache_tokens: int | None = None
     kv_cache_fraction: float | None = None
     tp_size: int = 1
+    load_on_main_thread: bool = False
+    health_check_s: float = HEALTH_CHECK_S  # how often the executor's health is read
+
+
+@dataclass(frozen=True, slots=True)
+class ContextLimit:
+    """The context window the gateway fits prompts into, and what it was derived from."""
+
+    tokens: int
+    source: str
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
-    """Flags for ``--engine trtllm``; importing tensorrt_llm is deferred to start()."""
+    """Flags for ``--engine trtllm``; importing tensorrt_llm is deferred to loading."""
     group.add_argument(
         "--max-batch-size",
         type=int,
@@ -105,7 +142,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "--kv-cache-tokens",
         type=int,
         default=None,
-        help="KV cache size in tokens (KvCacheConfig.max_tokens); default: by memory fraction",
+        help="KV cache size in tokens (KvCacheConfig.max_tokens), also a cap on the context;"
+        " default: by memory fraction",
     )
     group.add_argument(
         "--kv-cache-fraction",
@@ -115,6 +153,12 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         " TensorRT-LLM's default 0.9)",
     )
     group.add_argument("--tp-size", type=int, default=1, help="tensor-parallel GPUs")
+    group.add_argument(
+        "--load-on-main-thread",
+        action="store_true",
+        help="build the TensorRT-LLM model on the main thread before the server starts"
+        " (a fallback; by default it loads on a worker thread while /readyz says 503)",
+    )
 
 
 def from_args(args: argparse.Namespace) -> TrtllmEngine:
@@ -126,17 +170,22 @@ def from_args(args: argparse.Namespace) -> TrtllmEngine:
             "the trtllm engine needs --model: a Hugging Face model id or a local checkpoint "
             "directory, e.g. --model TinyLlama/TinyLlama-1.1B-Chat-v1.0"
         )
-    return TrtllmEngine(
-        TrtllmSettings(
-            model=args.model,
-            max_batch_size=args.max_batch_size,
-            max_num_tokens=args.max_num_tokens,
-            max_seq_len=args.max_seq_len,
-            kv_cache_tokens=args.kv_cache_tokens,
-            kv_cache_fraction=args.kv_cache_fraction,
-            tp_size=args.tp_size,
-        )
+    settings = TrtllmSettings(
+        model=args.model,
+        max_batch_size=args.max_batch_size,
+        max_num_tokens=args.max_num_tokens,
+        max_seq_len=args.max_seq_len,
+        kv_cache_tokens=args.kv_cache_tokens,
+        kv_cache_fraction=args.kv_cache_fraction,
+        tp_size=args.tp_size,
+        load_on_main_thread=args.load_on_main_thread,
     )
+    if settings.load_on_main_thread:
+        log.info("trtllm: loading %s on the main thread (this can take minutes)", args.model)
+        engine = TrtllmEngine(settings, llm=build_llm(settings))
+        engine.built_on = threading.current_thread()
+        return engine
+    return TrtllmEngine(settings)
 
 
 def tensorrt_llm_installed() -> bool:
@@ -153,8 +202,30 @@ def _import_tensorrt_llm() -> tuple[Any, Any]:
         trtllm = importlib.import_module("tensorrt_llm")
         llmapi = importlib.import_module("tensorrt_llm.llmapi")
     except ImportError as exc:
-        raise EngineUnavailableError(f"{INSTALL_HINT} (import failed: {exc})") from exc
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise EngineUnavailableError(f"{INSTALL_HINT} (import failed: {reason})") from exc
     return trtllm, llmapi
+
+
+def build_llm(settings: TrtllmSettings) -> Any:
+    """Import TensorRT-LLM and build the ``LLM`` on the calling thread (blocking, minutes)."""
+    trtllm, llmapi = _import_tensorrt_llm()
+    kv_cache = llmapi.KvCacheConfig(
+        enable_block_reuse=True,  # conversations resend their prefix every turn
+        **_without_none(
+            max_tokens=settings.kv_cache_tokens,
+            free_gpu_memory_fraction=settings.kv_cache_fraction,
+        ),
+    )
+    return trtllm.LLM(
+        model=settings.model,
+        backend="pytorch",
+        kv_cache_config=kv_cache,
+        max_batch_size=settings.max_batch_size,
+        max_num_tokens=settings.max_num_tokens,
+        tensor_parallel_size=settings.tp_size,
+        **_without_none(max_seq_len=settings.max_seq_len),
+    )
 
 
 class TrtllmEngine(StreamingEngine):
@@ -164,20 +235,26 @@ class TrtllmEngine(StreamingEngine):
 
     def __init__(self, settings: TrtllmSettings, *, llm: Any = None) -> None:
         """``llm``: an already loaded ``tensorrt_llm.LLM`` to serve instead of loading one
-        (bench/trtllm_smoke.py shares its LLM this way); ``settings.model`` must name it."""
+        (``--load-on-main-thread``, bench/trtllm_smoke.py); ``settings.model`` must name it."""
         super().__init__()
         self.settings = settings
         self._llm: Any = None
         self._preloaded = llm
         self._sampling_cls: Any = None
+        self._request_error: type[BaseException] = _NeverRaised
         # start() may be cancelled while the loading thread runs on; whichever of the two
         # comes second shuts the new LLM down, so no engine outlives a cancelled start.
         self._load_lock = threading.Lock()
         self._abandoned = False
-        self._max_seq_len = 0
+        self._closing = False
+        self._context = ContextLimit(0, "not loaded")
         self._prompt_limit = 0
         self._threads: set[threading.Thread] = set()  # started by _in_thread, not yet joined
         self._live: set[_LiveStream] = set()  # streams between generate_async and their end
+        self._watchdog: asyncio.Task[None] | None = None
+        self._failure_shutdown: asyncio.Task[None] | None = None
+        # The thread that built the LLM (for the log, /healthz and the smoke script).
+        self.built_on: threading.Thread | None = None
 
     @property
     def capacity(self) -> int:
@@ -190,8 +267,12 @@ class TrtllmEngine(StreamingEngine):
 
     @property
     def max_seq_len(self) -> int:
-        """The context window (prompt + answer), known once started."""
-        return self._max_seq_len
+        """The context window (prompt + answer) prompts are fitted into, once started."""
+        return self._context.tokens
+
+    @property
+    def context(self) -> ContextLimit:
+        return self._context
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -213,16 +294,25 @@ class TrtllmEngine(StreamingEngine):
             raise
         if self._llm is None:  # close() ran while the model was loading
             raise EngineError("engine_closed", "the TensorRT-LLM engine was closed while loading")
-        self._max_seq_len = self._resolve_max_seq_len()
-        self._prompt_limit = min(self._max_seq_len - 1, self._max_num_tokens())
+        self._set_context(self._derive_context())
+        self._watchdog = asyncio.create_task(self._watch_executor(self._llm))
         self._ready = True
         log.info(
-            "trtllm: %s ready in %.1fs (context %d tokens, batch %d)",
+            "trtllm: %s ready in %.1fs, built on thread %r (context %d tokens, from %s; batch %d)",
             self.settings.model,
             time.monotonic() - began,
-            self._max_seq_len,
+            self.built_on.name if self.built_on else "(given)",
+            self._context.tokens,
+            self._context.source,
             self.settings.max_batch_size,
         )
+        if not self._kv_cache_bounded():
+            log.warning(
+                "trtllm: the KV cache is sized from free GPU memory, and TensorRT-LLM caps the "
+                "context at what it holds; until a prompt is refused the gateway assumes %d "
+                "tokens (pass --kv-cache-tokens or --max-seq-len to be exact)",
+                self._context.tokens,
+            )
 
     async def _log_while_loading(self, began: float) -> None:
         while True:
@@ -231,11 +321,16 @@ class TrtllmEngine(StreamingEngine):
 
     def _load(self) -> None:
         """In a worker thread: import, build the LLM, and keep it unless start() gave up."""
-        trtllm, llmapi = _import_tensorrt_llm()
-        llm = self._preloaded if self._preloaded is not None else self._build(trtllm, llmapi)
+        _, llmapi = _import_tensorrt_llm()
+        if self._preloaded is not None:
+            llm = self._preloaded
+        else:
+            llm = build_llm(self.settings)
+            self.built_on = threading.current_thread()
         with self._load_lock:
             if not self._abandoned:
-                self._llm, self._sampling_cls = llm, trtllm.SamplingParams
+                self._llm, self._sampling_cls = llm, llmapi.SamplingParams
+                self._request_error = getattr(llmapi, "RequestError", _NeverRaised)
                 return
         log.info("trtllm: start was cancelled during loading; shutting the model down")
         llm.shutdown()
@@ -246,7 +341,7 @@ class TrtllmEngine(StreamingEngine):
             self._abandoned = True
             llm, self._llm = self._llm, None
         if llm is not None:  # loaded just before the cancel landed
-            await self._in_thread(llm.shutdown, "shutdown")
+            await self._shutdown_llm(llm)
 
     async def _in_thread(self, fn: Callable[[], T], name: str) -> T:
         """Run blocking ``fn`` on a thread of its own, joined once it has handed back its result.
@@ -284,45 +379,14 @@ class TrtllmEngine(StreamingEngine):
             await self._in_thread(join_all, "join")
             self._threads.difference_update(leftovers)
 
-    def _build(self, trtllm: Any, llmapi: Any) -> Any:
-        s = self.settings
-        kv_cache = llmapi.KvCacheConfig(
-            enable_block_reuse=True,  # conversations resend their prefix every turn
-            **_without_none(
-                max_tokens=s.kv_cache_tokens, free_gpu_memory_fraction=s.kv_cache_fraction
-            ),
-        )
-        return trtllm.LLM(
-            model=s.model,
-            backend="pytorch",
-            kv_cache_config=kv_cache,
-            max_batch_size=s.max_batch_size,
-            max_num_tokens=s.max_num_tokens,
-            tensor_parallel_size=s.tp_size,
-            **_without_none(max_seq_len=s.max_seq_len),
-        )
-
-    def _resolve_max_seq_len(self) -> int:
-        """--max-seq-len, else what the LLM was configured with, else the model config.
-
-        With the PyTorch backend ``llm.args.max_seq_len`` is None unless passed: the worker
-        infers it from the model's config (max_position_embeddings), which the front end
-        keeps as ``llm._hf_model_config``. That attribute is private, hence the fallback.
-        """
-        configured = self.settings.max_seq_len or getattr(self._llm.args, "max_seq_len", None)
-        if configured:
-            return int(configured)
-        hf_config = getattr(self._llm, "_hf_model_config", None)
-        inferred = getattr(hf_config, "max_position_embeddings", None)
-        if not inferred:
-            raise EngineUnavailableError(
-                "cannot tell the model's context length: pass --max-seq-len"
-            )
-        return int(inferred)
-
-    def _max_num_tokens(self) -> int:
-        value = getattr(self._llm.args, "max_num_tokens", None) or self.settings.max_num_tokens
-        return int(value)
+    async def _shutdown_llm(self, llm: Any) -> None:
+        """``llm.shutdown()`` on a thread. TensorRT-LLM's proxy re-raises a stored background
+        error at the end of its shutdown (executor/proxy.py), after its work is done: that
+        error is logged, not raised, so that closing always completes."""
+        try:
+            await self._in_thread(llm.shutdown, "shutdown")
+        except Exception as exc:
+            log.warning("trtllm: TensorRT-LLM's shutdown reported: %s", _one_line(exc))
 
     async def close(self) -> None:
         """End every stream with ``engine_closed``, shut the LLM down, join every thread.
@@ -332,24 +396,103 @@ class TrtllmEngine(StreamingEngine):
         ``RequestOutput`` would wait forever. Their aborts are sent from here too, so that
         nothing but the shutdown thread talks to the executor once it runs.
         """
+        self._closing = True
         self._ready = False
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.wait((self._watchdog,))
+        closed = EngineError("engine_closed", CLOSED_MESSAGE)
         for live in list(self._live):
-            live.close()
+            live.end(closed, abort=True)
         with self._load_lock:
             self._abandoned = True  # a load still running shuts its LLM down itself
             llm, self._llm = self._llm, None
+        if self._failure_shutdown is not None:
+            await asyncio.wait((self._failure_shutdown,))
         if llm is not None:
-            await self._in_thread(llm.shutdown, "shutdown")
+            await self._shutdown_llm(llm)
         await self._join_threads()
+        await super().close()  # the streams' tasks, ended above, are awaited here
 
     def describe(self) -> dict[str, object]:
-        return {
+        details: dict[str, object] = {
             "model": self.settings.model,
             "backend": "pytorch",
-            "max_seq_len": self._max_seq_len,
+            "max_seq_len": self._context.tokens,
+            "context_source": self._context.source,
             "max_batch_size": self.settings.max_batch_size,
             "tp_size": self.settings.tp_size,
+            "built_on_thread": self.built_on.name if self.built_on else None,
         }
+        if self.failure is not None:
+            details["failure"] = self.failure
+        return details
+
+    # -- the context window (issue: the front end never learns the worker's limit) -------
+    def _derive_context(self) -> ContextLimit:
+        """The smallest limit we can know of, and where it comes from.
+
+        With the PyTorch backend ``llm.args.max_seq_len`` is None unless passed; the worker
+        settles the real limit itself: the model's maximum, capped by what the KV cache
+        holds (executor/base_worker.py ``setup_engine``, _torch/pyexecutor/
+        py_executor_creator.py, resource_manager.py), and never tells the front end. So:
+        ``--max-seq-len``, the KV cache size when it is given in tokens (whole blocks of
+        32), and the model config's ``max_position_embeddings`` (``llm._hf_model_config``,
+        private; hence the fallbacks). A KV cache sized by memory can cap it lower still:
+        then the first refused prompt tells us (see :meth:`_learn_limit`).
+        """
+        args = self._llm.args
+        candidates: list[ContextLimit] = []
+        if configured := getattr(args, "max_seq_len", None):
+            candidates.append(ContextLimit(int(configured), "--max-seq-len"))
+        if kv_tokens := self._kv_cache_tokens():
+            blocks = kv_tokens // TOKENS_PER_BLOCK * TOKENS_PER_BLOCK
+            candidates.append(ContextLimit(blocks, "--kv-cache-tokens (the KV cache's size)"))
+        hf_config = getattr(self._llm, "_hf_model_config", None)
+        if model_max := getattr(hf_config, "max_position_embeddings", None):
+            candidates.append(
+                ContextLimit(int(model_max), "the model config's max_position_embeddings")
+            )
+        if not candidates:
+            raise EngineUnavailableError(
+                "cannot tell the model's context length: pass --max-seq-len"
+            )
+        return min(candidates, key=lambda c: c.tokens)
+
+    def _kv_cache_tokens(self) -> int | None:
+        kv_config = getattr(self._llm.args, "kv_cache_config", None)
+        tokens = getattr(kv_config, "max_tokens", None)
+        return int(tokens) if tokens else None
+
+    def _kv_cache_bounded(self) -> bool:
+        return self._kv_cache_tokens() is not None
+
+    def _set_context(self, context: ContextLimit) -> None:
+        self._context = context
+        max_num_tokens = getattr(self._llm.args, "max_num_tokens", None)
+        if getattr(self._llm.args, "enable_chunked_prefill", False) or not max_num_tokens:
+            max_num_tokens = context.tokens
+        # A prompt of max_seq_len tokens or more leaves no room: the worker refuses it.
+        self._prompt_limit = min(context.tokens - 1, int(max_num_tokens))
+
+    def _learn_limit(self, message: str) -> bool:
+        """From the worker's "prompt too long" refusal, which names its max_seq_len; True if
+        that is smaller than what we assumed (the request can be fitted and sent again)."""
+        found = _MAX_SEQ_LEN.search(message)
+        if found is None or self._llm is None:
+            return False
+        tokens = int(found.group(1))
+        if tokens >= self._context.tokens:
+            return False
+        log.warning(
+            "trtllm: TensorRT-LLM's context is %d tokens, not %d (its KV cache caps it); "
+            "using %d from now on",
+            tokens,
+            self._context.tokens,
+            tokens,
+        )
+        self._set_context(ContextLimit(tokens, "TensorRT-LLM's worker (it refused a prompt)"))
+        return True
 
     # -- prompts -----------------------------------------------------------------------
     def render(self, messages: Sequence[Message]) -> str:
@@ -359,34 +502,47 @@ class TrtllmEngine(StreamingEngine):
         )
         return prompt
 
-    def render_and_count(self, messages: Sequence[Message]) -> tuple[str, int]:
-        """The prompt and its length in tokens, from one rendering and one encoding."""
-        prompt = self.render(messages)
+    def encode(self, messages: Sequence[Message]) -> list[int]:
+        """The prompt's token ids, from one rendering and one encoding."""
         # add_special_tokens=False: the template already holds BOS where the model wants it.
-        return prompt, len(self._llm.tokenizer.encode(prompt, add_special_tokens=False))
+        ids: list[int] = self._llm.tokenizer.encode(self.render(messages), add_special_tokens=False)
+        return ids
 
     def count_tokens(self, messages: Sequence[Message]) -> int:
-        return self.render_and_count(messages)[1]
+        return len(self.encode(messages))
 
-    def _fit(self, request: GenerationRequest) -> tuple[str, int]:
-        """Drop old turns until prompt + answer reserve fit; return (prompt, its tokens).
+    def _fit(self, request: GenerationRequest) -> list[int]:
+        """Drop old turns until prompt + answer reserve fit; return the prompt's token ids.
 
         Rendering and encoding run on the event loop, so each candidate is rendered once:
-        the last rendering is kept, and it is the prompt sent when it fits. A request that
+        the last encoding is kept, and it is the prompt sent when it fits. A request that
         needs no trimming renders its prompt exactly once.
         """
+        limit = self._context.tokens
         budget = request.sampling.max_output_tokens
-        reserve = min(budget or DEFAULT_ANSWER_RESERVE, self._max_seq_len // 2)
-        limit = min(self._max_seq_len - reserve, self._prompt_limit)
-        last = _LastRendering(self.render_and_count)
-        messages, dropped = fit_to_context(request.messages, last.count, limit)
+        reserve = min(budget or DEFAULT_ANSWER_RESERVE, limit // 2)
+        prompt_budget = min(limit - reserve, self._prompt_limit)
+        last = _LastEncoding(self.encode)
+        try:
+            messages, dropped = fit_to_context(request.messages, last.count, prompt_budget)
+        except EngineError:
+            raise
+        except Exception as exc:
+            if _is_template_error(exc):
+                # Real templates reject what they cannot render (raise_exception in the
+                # Jinja template: "roles must alternate", "System role not supported").
+                raise InvalidRequestError(
+                    "chat_template_error",
+                    f"The model's chat template refused this conversation: {_one_line(exc)}",
+                ) from None
+            raise
         if dropped:
             log.info("trtllm: %s dropped %d old turns to fit", request.request_id, dropped)
         return last.get(messages)
 
     def _sampling_params(self, sampling: SamplingParams, prompt_tokens: int) -> Any:
         """Every field explicit: TensorRT-LLM defaults to 32 tokens and greedy decoding."""
-        room = self._max_seq_len - prompt_tokens
+        room = self._context.tokens - prompt_tokens
         if room < 1:
             raise ContextOverflowError("the prompt leaves no room for an answer")
         wanted = sampling.max_output_tokens
@@ -398,20 +554,60 @@ class TrtllmEngine(StreamingEngine):
             top_p=DEFAULT_TOP_P if sampling.top_p is None else sampling.top_p,
             seed=sampling.seed,
             stop=list(sampling.stop) or None,
-            add_special_tokens=False,  # a SamplingParams field, read by the input processor
+            # Keep the stop string in token_ids and text: on a stop-word match TensorRT-LLM
+            # otherwise removes its tokens from token_ids (executor/result.py,
+            # _handle_sequence), and usage would miss tokens the model did generate. The
+            # adapter cuts the stop string from the text itself (_StopHoldback).
+            include_stop_str_in_output=True,
         )
 
     # -- generation --------------------------------------------------------------------
     async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
+        yielded = False
+        for attempt in (1, 2):
+            self._check_usable()
+            prompt_ids = self._fit(request)
+            params = self._sampling_params(request.sampling, len(prompt_ids))
+            try:
+                async with contextlib.aclosing(self._generate(request, prompt_ids, params)) as gen:
+                    async for event in gen:
+                        yielded = True
+                        yield event
+                return
+            except _PromptTooLong as exc:
+                # The worker's own limit is lower than ours (a KV cache sized by memory):
+                # learn it from the refusal and fit the conversation to it, once.
+                if attempt == 1 and not yielded and self._learn_limit(exc.message):
+                    continue
+                raise ContextOverflowError(
+                    f"TensorRT-LLM refused the prompt as too long for its context window "
+                    f"({_one_line(exc.message)})"
+                ) from None
+
+    def _check_usable(self) -> None:
+        if self.failure is not None:
+            raise EngineUnavailableError(_failed_message(self.failure))
         if self._llm is None:
             raise EngineError("engine_not_ready", "the TensorRT-LLM engine is not loaded")
-        prompt, prompt_tokens = self._fit(request)
-        params = self._sampling_params(request.sampling, prompt_tokens)
+
+    async def _generate(
+        self, request: GenerationRequest, prompt_ids: list[int], params: Any
+    ) -> AsyncGenerator[StreamEvent, None]:
+        llm = self._llm
+        # generate_async would handle a pending fatal error by shutting the executor down
+        # right here, on the event loop: look first (a non-blocking read).
+        if (reason := _executor_failure(llm)) is not None:
+            self._executor_failed(reason)
+            raise EngineUnavailableError(_failed_message(reason))
         # Called here, inside the coroutine that iterates it: the output binds to this loop.
         try:
-            output = self._llm.generate_async(prompt, params, streaming=True)
-        except Exception as exc:
+            output = llm.generate_async(prompt_ids, params, streaming=True)
+        except self._request_error as exc:
+            raise self._request_failed(exc) from None
+        except (ValueError, TypeError) as exc:
             raise EngineError("engine_error", f"TensorRT-LLM refused the request: {exc}") from exc
+        except Exception as exc:
+            raise self._unexpected(exc) from exc
         live = _LiveStream(output, request.request_id, asyncio.current_task())
         self._live.add(live)  # no await since generate_async: close() cannot have missed it
         held = _StopHoldback(tuple(request.sampling.stop))
@@ -429,45 +625,158 @@ class TrtllmEngine(StreamingEngine):
                 yield Finished(_finish_reason(completion.finish_reason), _usage(out, completion))
                 return
         except asyncio.CancelledError:
-            if not live.closed:
+            if live.ending is None:
                 raise
-            # close() cancelled us: that was the engine ending, not the consumer giving up.
+            # The engine ended this stream (closing, or a dead executor), not the consumer.
             if live.task is not None:
                 live.task.uncancel()
-            raise EngineError("engine_closed", CLOSED_MESSAGE) from None
+            raise live.ending from None
         except EngineError:
             raise
+        except self._request_error as exc:
+            raise self._request_failed(exc) from None
         except Exception as exc:
-            raise EngineError("engine_error", f"TensorRT-LLM failed: {exc}") from exc
+            raise self._unexpected(exc) from exc
         finally:
             self._live.discard(live)
-            # Cancelled task, closed generator or error: the request must not run on.
+            # Cancelled task, closed generator or error: the request must not run on. An
+            # aborted request may never get a final output (a queued one gets none): do
+            # not wait for one.
             if not finished:
                 live.abort()
         raise EngineError("engine_error", "TensorRT-LLM ended the stream without a finish reason")
 
+    def _request_failed(self, exc: BaseException) -> EngineError:
+        """A per-request error from TensorRT-LLM's worker (executor/base_worker.py)."""
+        message = str(exc)
+        if _PROMPT_TOO_LONG.search(message):
+            return _PromptTooLong(message)
+        return EngineError("engine_error", f"TensorRT-LLM failed the request: {_one_line(exc)}")
+
+    def _unexpected(self, exc: BaseException) -> EngineError:
+        """Anything but a per-request error: TensorRT-LLM raises a background error only
+        after shutting its executor down, so check whether the executor is gone."""
+        reason = _executor_failure(self._llm) if self._llm is not None else None
+        if reason is not None or "shutting down" in str(exc):
+            self._executor_failed(reason or _one_line(exc))
+            return EngineUnavailableError(_failed_message(self.failure or _one_line(exc)))
+        return EngineError("engine_error", f"TensorRT-LLM failed: {_one_line(exc)}")
+
+    # -- a dead executor ---------------------------------------------------------------
+    async def _watch_executor(self, llm: Any) -> None:
+        """Every ``health_check_s``: has the executor failed? A dead worker sends nothing
+        more to the outputs waiting on it, so without this they would wait forever."""
+        while True:
+            await asyncio.sleep(self.settings.health_check_s)
+            if (reason := _executor_failure(llm)) is not None:
+                self._executor_failed(reason)
+                return
+
+    def _executor_failed(self, reason: str) -> None:
+        """Fatal: fail every live stream, shut the LLM down off the loop, report it once."""
+        if self._closing or self.failure is not None:
+            return
+        live = list(self._live)
+        log.error(
+            "trtllm: the TensorRT-LLM executor failed (%s): %d live answers end with "
+            "engine_unavailable; the engine cannot serve again until the gateway restarts",
+            reason,
+            len(live),
+        )
+        error = EngineUnavailableError(_failed_message(reason))
+        for stream in live:
+            stream.end(error, abort=False)  # nothing runs any more: there is nothing to abort
+        with self._load_lock:
+            llm, self._llm = self._llm, None
+        if self._watchdog is not None and self._watchdog is not asyncio.current_task():
+            self._watchdog.cancel()
+        if llm is not None:
+            self._failure_shutdown = asyncio.get_running_loop().create_task(
+                self._shutdown_llm(llm), name="trtllm-failure-shutdown"
+            )
+        self._fail(reason)
+
 
 CLOSED_MESSAGE = "the TensorRT-LLM engine was closed during the answer"
+# The worker's refusal of a prompt that leaves no room (executor/base_worker.py,
+# _deduce_max_tokens): "`default_max_tokens` (-3) must be greater than 0, ... = max_seq_len
+# (4096) - `splited_prompt_len` (4099)". Earlier 1.x releases only warned there and failed such
+# a request later, in words the second pattern guesses at; bench/trtllm_smoke.py checks it.
+_PROMPT_TOO_LONG = re.compile(r"default_max_tokens.*greater than 0|exceeds? .*max_seq_len", re.S)
+_MAX_SEQ_LEN = re.compile(r"max_seq_len \((\d+)\)")
+
+
+def _failed_message(reason: str) -> str:
+    return f"the TensorRT-LLM engine failed ({reason}); the gateway must be restarted"
+
+
+def _executor_failure(llm: Any) -> str | None:
+    """Why the LLM's executor cannot serve any more, or None; never blocks.
+
+    Reads what TensorRT-LLM itself consults (executor/executor.py): ``is_shutdown()`` and
+    the queue its background threads and worker-process callbacks put fatal errors in
+    (``_error_queue``, private: hence the defensive getattr). The error is only peeked at,
+    so that TensorRT-LLM's own handling is unchanged.
+    """
+    executor = getattr(llm, "_executor", None)
+    if executor is None:
+        return "the executor is gone"
+    errors = getattr(executor, "_error_queue", None)
+    pending = getattr(errors, "queue", None)
+    if pending:
+        with contextlib.suppress(IndexError):
+            return _one_line(pending[0])
+    is_shutdown = getattr(executor, "is_shutdown", None)
+    if callable(is_shutdown) and is_shutdown():
+        return "the executor shut down"
+    return None
+
+
+def _is_template_error(exc: BaseException) -> bool:
+    """Jinja's TemplateError (and subclasses), without importing jinja2 here."""
+    return any(cls.__name__ == "TemplateError" for cls in type(exc).__mro__)
+
+
+def _one_line(exc: BaseException | str) -> str:
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    if isinstance(exc, BaseException):
+        return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return first
+
+
+class _NeverRaised(Exception):
+    """Stands for ``RequestError`` if a TensorRT-LLM release lacks it in ``llmapi``."""
+
+
+class _PromptTooLong(EngineError):
+    """Internal: the worker refused the prompt as too long (learned from, then mapped)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("context_length_exceeded", message)
 
 
 @dataclass(eq=False, slots=True)
 class _LiveStream:
-    """One request's ``RequestOutput`` and the task iterating it, for :meth:`TrtllmEngine.close`."""
+    """One request's ``RequestOutput`` and the task iterating it, for close and failure."""
 
     output: Any
     request_id: str
     task: asyncio.Task[Any] | None
-    closed: bool = False
+    ending: EngineError | None = None  # set when the engine itself ends the stream
     aborted: bool = False
 
-    def close(self) -> None:
-        """From close(): abort the request while the executor still runs, then wake the
-        stream by cancelling its task (waiting on the output alone could last forever);
-        the stream turns that cancel into ``engine_closed``. No per-token cost."""
-        self.abort()
-        if self.closed:
+    def end(self, error: EngineError, *, abort: bool) -> None:
+        """From the engine: wake the stream by cancelling its task (waiting on the output
+        alone could last forever); the stream turns that cancel into ``error``. No
+        per-token cost. ``abort``: tell TensorRT-LLM first, while its executor runs."""
+        if abort:
+            self.abort()
+        else:
+            self.aborted = True  # the executor is gone: aborting would only raise
+        if self.ending is not None:
             return
-        self.closed = True
+        self.ending = error
         if self.task is not None and self.task is not asyncio.current_task():
             self.task.cancel()
 
@@ -484,22 +793,22 @@ class _LiveStream:
             log.debug("trtllm: aborted %s", self.request_id)
 
 
-class _LastRendering:
-    """``render_and_count`` that remembers its latest call, for :func:`fit_to_context`."""
+class _LastEncoding:
+    """``encode`` that remembers its latest call, for :func:`fit_to_context`."""
 
-    def __init__(self, render_and_count: Callable[[Sequence[Message]], tuple[str, int]]) -> None:
-        self._render_and_count = render_and_count
+    def __init__(self, encode: Callable[[Sequence[Message]], list[int]]) -> None:
+        self._encode = encode
         self._messages: tuple[Message, ...] | None = None
-        self._rendering = ("", 0)
+        self._ids: list[int] = []
 
-    def get(self, messages: Sequence[Message]) -> tuple[str, int]:
+    def get(self, messages: Sequence[Message]) -> list[int]:
         key = tuple(messages)
         if key != self._messages:
-            self._messages, self._rendering = key, self._render_and_count(key)
-        return self._rendering
+            self._messages, self._ids = key, self._encode(key)
+        return self._ids
 
     def count(self, messages: Sequence[Message]) -> int:
-        return self.get(messages)[1]
+        return len(self.get(messages))
 
 
 def _finish_reason(reason: str) -> FinishReason:
@@ -518,6 +827,8 @@ def _finish_reason(reason: str) -> FinishReason:
 
 
 def _usage(out: Any, completion: Any) -> Usage:
+    # token_ids holds every generated token, the stop string's included
+    # (include_stop_str_in_output=True).
     return Usage(
         input_tokens=len(out.prompt_token_ids),
         output_tokens=len(completion.token_ids),
@@ -532,9 +843,10 @@ def _without_none(**kwargs: Any) -> dict[str, Any]:
 class _StopHoldback:
     """Turns cumulative text into deltas that never need taking back.
 
-    TensorRT-LLM cuts a stop string out of ``text`` only once it is complete, so text that
-    may be the start of a stop string is held back until it is confirmed or ruled out;
-    ``text_diff`` alone would already have sent it. With no stop strings nothing is held.
+    TensorRT-LLM keeps a matched stop string in the text (``include_stop_str_in_output``)
+    and may only match it once it is complete, so text that may be the start of a stop
+    string is held back until it is confirmed or ruled out, and the text is cut where a
+    stop string begins. With no stop strings nothing is held.
     """
 
     def __init__(self, stops: tuple[str, ...]) -> None:
@@ -542,17 +854,22 @@ class _StopHoldback:
         self._sent = 0
 
     def feed(self, text: str) -> str:
-        safe = len(text) - self._partial_stop_len(text)
+        safe = min(len(text) - self._partial_stop_len(text), self._stop_at(text))
         return self._take(text, safe)
 
     def flush(self, text: str) -> str:
-        return self._take(text, len(text))
+        return self._take(text, self._stop_at(text))
 
     def _take(self, text: str, upto: int) -> str:
         if upto <= self._sent:
             return ""
         delta, self._sent = text[self._sent : upto], upto
         return delta
+
+    def _stop_at(self, text: str) -> int:
+        """Where the first complete stop string begins (the text's end if none does)."""
+        found = [i for stop in self._stops if (i := text.find(stop)) >= 0]
+        return min(found, default=len(text))
 
     def _partial_stop_len(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""

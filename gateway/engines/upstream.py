@@ -176,7 +176,7 @@ class UpstreamEngine(StreamingEngine):
         return {
             "model": self.model or next((r.model for r in self.replicas if r.model), "upstream"),
             "replicas": [
-                {"url": r.url, "healthy": r.healthy, "slots": r.slots, "running": r.outstanding}
+                {"healthy": r.healthy, "slots": r.slots, "running": r.outstanding}
                 for r in self.replicas
             ],
         }

@@ -6,6 +6,6 @@ Mirrors the top-level names of the real package that the gateway uses.
 from tensorrt_llm.llmapi import LLM, KvCacheConfig, RequestOutput
 from tensorrt_llm.sampling_params import SamplingParams
 
-__version__ = "1.0.0+standin"
+__version__ = "1.2.0+standin"
 
 __all__ = ["LLM", "KvCacheConfig", "RequestOutput", "SamplingParams"]

@@ -1,35 +1,67 @@
-"""STAND-IN internals: test controls, counters, a toy tokenizer and the step thread.
+"""STAND-IN internals: test controls, counters, a toy tokenizer, the "worker" and the executor.
 
 Not part of the real TensorRT-LLM API. Tests set ``controls`` before building an LLM and
-read ``stats`` afterwards; ``reset()`` restores both.
+read ``stats`` afterwards; ``reset()`` restores both. ``fail_executor`` injects a fatal
+executor error. Each behaviour below names the real source file it mirrors (TensorRT-LLM
+1.2-era), so that a reader can check it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
+import queue
 import re
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+try:  # what real chat templates raise through ``raise_exception``
+    from jinja2.exceptions import TemplateError
+except ImportError:  # jinja2 is not installed with the gateway's test dependencies
+
+    class TemplateError(Exception):  # type: ignore[no-redef]
+        """Stand-in for ``jinja2.exceptions.TemplateError`` (same name, same role)."""
+
+
 BOS, EOS = "<s>", "</s>"
 BOS_ID, EOS_ID = 1, 2
-TOKENS_PER_BLOCK = 8  # granularity of the stand-in's prefix (block) reuse
+TOKENS_PER_BLOCK = 32  # KvCacheConfig.tokens_per_block's default (llmapi/llm_args.py)
 DEFAULT_REPLY = "Hello from the stand-in engine, one word at a time."
+UINT64_MAX = 2**64 - 1
+WORKER_PROCESS_ENV = "TRTLLM_STANDIN_WORKER_PROCESS"
+
+worker_log = logging.getLogger("tensorrt_llm")  # the real worker logs under this name
+
+
+class RequestError(RuntimeError):
+    """A per-request failure (the real one: tensorrt_llm/executor/utils.py)."""
 
 
 @dataclass
 class Controls:
-    """What the next requests do. Tests change these; ``reset()`` restores them."""
+    """What the next LLMs and requests do. Tests change these; ``reset()`` restores them."""
 
     reply: str = DEFAULT_REPLY  # text the "model" generates, then EOS
     step_s: float = 0.002  # seconds per engine iteration
     max_position_embeddings: int = 2048  # the model config's context length
+    # Tokens the KV cache gets from GPU memory when KvCacheConfig.max_tokens is unset
+    # (None: plenty). The worker caps its max_seq_len to what the KV cache holds.
+    kv_cache_capacity: int | None = None
     finish_with: str | None = None  # force "timeout" or "cancelled" ...
     finish_after: int = 2  # ... after this many generated tokens
     load_gate: threading.Event | None = None  # LLM() blocks until set: a slow load
+    # The executor's worker runs in a child process (as with the real MPI worker), so
+    # that a test can kill it. Also switched on by the environment (for bench scripts).
+    worker_process: bool = field(default_factory=lambda: os.environ.get(WORKER_PROCESS_ENV) == "1")
+    # "any": every conversation renders. "alternating": roles must alternate user/assistant
+    # after an optional system message (Llama 2, Mistral). "no_system": no system role (Gemma).
+    chat_template: str = "any"
 
 
 @dataclass
@@ -41,32 +73,38 @@ class RequestRecord:
     prompt_token_ids: list[int]
     sampling_params: Any
     streaming: bool
-    aborted: bool = False
+    aborted: bool = False  # the worker acted on an abort()
     tokens_after_abort: int = 0
-    finish_reason: str | None = None  # None if the engine shut down while it ran
+    finish_reason: str | None = None  # None: never answered (queued abort, dead executor)
     generated: int = 0
-    abort_requested: bool = False  # abort() was called (``aborted``: the engine acted on it)
+    abort_requested: bool = False
+    dropped_in_queue: bool = False  # aborted while still queued: no final output at all
+    max_tokens: int | None = None  # what the worker ran with (after its own cap)
+    error: str | None = None  # the request error the worker answered with
 
 
 @dataclass
 class Stats:
     requests: list[RequestRecord] = field(default_factory=list)
     llm_kwargs: list[dict[str, Any]] = field(default_factory=list)
+    llm_threads: list[threading.Thread] = field(default_factory=list)  # who built each LLM
     peak_running: int = 0
     shutdowns: int = 0
     shutdown_threads: list[threading.Thread] = field(default_factory=list)  # who shut down
     templates_rendered: int = 0  # apply_chat_template calls, on every tokenizer
+    prompts_encoded: int = 0  # string prompts generate_async had to tokenize itself
+    worker_pids: list[int] = field(default_factory=list)
     _running: int = 0
     _cond: threading.Condition = field(default_factory=threading.Condition)
 
     @property
     def running(self) -> int:
-        """Requests the engine still holds (queued or generating)."""
+        """Requests the worker still holds (queued or generating)."""
         with self._cond:
             return self._running
 
     def wait_idle(self, timeout: float = 5.0) -> bool:
-        """Block until no request is left in any engine; True if that happened in time."""
+        """Block until no request is left in any worker; True if that happened in time."""
         with self._cond:
             return self._cond.wait_for(lambda: self._running == 0, timeout)
 
@@ -75,24 +113,30 @@ class Stats:
         with self._cond:
             return self._cond.wait_for(lambda: len(self.llm_kwargs) >= n, timeout)
 
-    def _add_llm(self, kwargs: dict[str, Any]) -> None:
-        with self._cond:
-            self.llm_kwargs.append(kwargs)
-            self._cond.notify_all()
-
     def wait_shutdowns(self, n: int, timeout: float = 5.0) -> bool:
         with self._cond:
             return self._cond.wait_for(lambda: self.shutdowns >= n, timeout)
+
+    def wait_requests(self, n: int, timeout: float = 5.0) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self.requests) >= n, timeout)
+
+    def wait_until(self, predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+        """Until ``predicate()`` holds; checked after every worker step."""
+        with self._cond:
+            return self._cond.wait_for(predicate, timeout)
+
+    def _add_llm(self, kwargs: dict[str, Any]) -> None:
+        with self._cond:
+            self.llm_kwargs.append(kwargs)
+            self.llm_threads.append(threading.current_thread())
+            self._cond.notify_all()
 
     def _add_shutdown(self) -> None:
         with self._cond:
             self.shutdowns += 1
             self.shutdown_threads.append(threading.current_thread())
             self._cond.notify_all()
-
-    def wait_requests(self, n: int, timeout: float = 5.0) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: len(self.requests) >= n, timeout)
 
     def _add_running(self, delta: int) -> None:
         with self._cond:
@@ -105,6 +149,10 @@ class Stats:
             self.requests.append(record)
             self._cond.notify_all()
 
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
 
 controls = Controls()
 stats = Stats()
@@ -114,6 +162,18 @@ def reset() -> None:
     global controls, stats
     controls = Controls()
     stats = Stats()
+
+
+def fail_executor(llm: Any, error: BaseException) -> None:
+    """Test control: a fatal error in the executor (a C++ executor error, a dead thread).
+
+    As in the real proxy (executor/proxy.py), the error lands in the executor's error
+    queue and the worker answers nothing more; TensorRT-LLM acts on it only the next time
+    something calls ``_handle_background_error`` (executor/executor.py).
+    """
+    executor = llm._executor
+    executor._worker.halt()
+    executor._error_queue.put(error)
 
 
 class StandinTokenizer:
@@ -134,7 +194,7 @@ class StandinTokenizer:
     def __init__(self) -> None:
         self._ids: dict[str, int] = {BOS: BOS_ID, EOS: EOS_ID}
         self._pieces: dict[int, str] = {BOS_ID: BOS, EOS_ID: EOS}
-        self._lock = threading.Lock()  # encode runs on the loop and on the engine thread
+        self._lock = threading.Lock()  # encode runs on the loop and on the worker thread
 
     def encode(self, text: str, add_special_tokens: bool = True, **_: Any) -> list[int]:
         ids = [BOS_ID] if add_special_tokens else []
@@ -162,14 +222,36 @@ class StandinTokenizer:
     ) -> str | list[int]:
         with stats._cond:
             stats.templates_rendered += 1
+        _check_roles([m["role"] for m in conversation], controls.chat_template)
         text = BOS + "".join(f"<|{m['role']}|>\n{m['content']}{EOS}\n" for m in conversation)
         if add_generation_prompt:
             text += "<|assistant|>\n"
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
-# One item the engine thread posts to a request's loop: new token ids, finish reason, cached.
-Post = tuple[list[int], str | None, int]
+def _check_roles(roles: list[str], rule: str) -> None:
+    """What strict real templates enforce, with their own messages (raise_exception)."""
+    if rule == "no_system" and "system" in roles:
+        raise TemplateError("System role not supported")
+    if rule == "alternating":
+        turns = roles[1:] if roles[:1] == ["system"] else roles
+        for i, role in enumerate(turns):
+            if role != ("user" if i % 2 == 0 else "assistant"):
+                raise TemplateError(
+                    "Conversation roles must alternate user/assistant/user/assistant/..."
+                )
+
+
+@dataclass(frozen=True)
+class ErrorResponse:
+    """A per-request error the worker answers with (executor/utils.py)."""
+
+    message: str
+
+
+# One item the worker posts to a request's loop: new token ids, finish reason, cached tokens;
+# or an ErrorResponse.
+Post = tuple[list[int], str | None, int] | ErrorResponse
 
 
 @dataclass
@@ -178,29 +260,42 @@ class _Active:
     plan: list[int]  # the tokens this request will generate, EOS last
     max_tokens: int
     ignore_eos: bool
+    stop_words: list[list[int]]
     deliver: Callable[[Post], None]
     streaming: bool
     cached: int
+    output_ids: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)  # held back when not streaming
     abort_seen_at: int | None = None  # step at which abort() was observed
 
 
 class StepEngine:
-    """The stand-in executor: a thread that runs one decoding iteration per ``step_s``.
+    """The stand-in worker: a thread that runs one decoding iteration per ``step_s``.
 
-    Requests wait in a queue and join the running batch when a slot is free (in-flight
-    batching up to ``max_batch_size``). ``abort()`` only records a wish; the step after the
-    one that observes it removes the request and posts a final "cancelled" output.
-
-    ``shutdown()`` is as unforgiving as the real one: TensorRT-LLM's ``pre_shutdown`` queues
-    aborts and tells the workers to quit, and the result thread stops once they have, so a
-    request still running may never get a final output. Here it never does; and ``abort()``
-    after shutdown raises, as the real one does on its closed request queue.
+    - Admission (executor/base_worker.py ``_enqueue_request``): the worker decides
+      ``max_seq_len`` itself (``min(max_seq_len or the model's, KV cache capacity)``,
+      _torch/pyexecutor/py_executor_creator.py and resource_manager.py). A prompt that
+      leaves no room (``default_max_tokens <= 0``) gets a request error; a ``max_tokens``
+      above the room is cut back with a warning; a seed that is not an unsigned 64-bit
+      integer fails the request (the C++ SamplingConfig binding).
+    - In-flight batching up to ``max_batch_size``; requests wait in a queue meanwhile.
+    - ``abort()`` only records a wish. A running request is finished one step later with
+      "cancelled"; one still waiting in the queue is dropped with no output at all
+      (_torch/pyexecutor/py_executor.py ``_handle_canceled_requests``).
+    - Stop words: the worker ends a request whose output ends with a stop word's tokens
+      (finish reason STOP_WORDS).
     """
 
-    def __init__(self, tokenizer: StandinTokenizer, max_batch_size: int, block_reuse: bool) -> None:
+    def __init__(
+        self,
+        tokenizer: StandinTokenizer,
+        max_batch_size: int,
+        max_seq_len: int,
+        block_reuse: bool,
+    ) -> None:
         self._tokenizer = tokenizer
         self._max_batch = max_batch_size
+        self.max_seq_len = max_seq_len
         self._block_reuse = block_reuse
         self._cond = threading.Condition()
         self._waiting: list[_Active] = []
@@ -209,24 +304,72 @@ class StepEngine:
         self._seen_prompts: list[list[int]] = []
         self._step_no = 0
         self._stopped = False
+        self._halted = False
         self._thread = threading.Thread(target=self._run, name="standin-trtllm-step", daemon=True)
         self._thread.start()
 
-    # -- called from the event loop -------------------------------------------------------
-    def submit(self, active: _Active) -> None:
+    # -- called from the front end ------------------------------------------------------
+    def submit(self, record: RequestRecord, deliver: Callable[[Post], None]) -> None:
+        sp = record.sampling_params
+        error = self._refusal(record)
+        if error is not None:
+            record.error = error
+            worker_log.error("submit request failed: %s", error)
+            _post(deliver, ErrorResponse(error))
+            return
+        room = self.max_seq_len - len(record.prompt_token_ids)
+        max_tokens = sp.max_tokens
+        if max_tokens > room:
+            worker_log.warning(
+                "User-specified `max_tokens` (%d) is greater than deduced "
+                "`default_max_tokens` (%d), using default_max_tokens instead.",
+                max_tokens,
+                room,
+            )
+            max_tokens = room
+        record.max_tokens = max_tokens
+        plan = self._tokenizer.encode(controls.reply, add_special_tokens=False)
+        active = _Active(
+            record=record,
+            plan=[*plan, EOS_ID],
+            max_tokens=max_tokens,
+            ignore_eos=sp.ignore_eos,
+            stop_words=sp._get_stop_words(),
+            deliver=deliver,
+            streaming=record.streaming,
+            cached=self.cached_prefix(record.prompt_token_ids),
+        )
         with self._cond:
             self._waiting.append(active)
             stats._add_running(1)
             self._cond.notify()
 
+    def _refusal(self, record: RequestRecord) -> str | None:
+        seed = record.sampling_params.seed
+        if seed is not None and not 0 <= seed <= UINT64_MAX:
+            return (
+                "__init__(): incompatible function arguments: SamplingConfig(seed) takes an "
+                f"unsigned 64-bit integer, got {seed}"
+            )
+        room = self.max_seq_len - len(record.prompt_token_ids)
+        if room <= 0:
+            return (
+                f"`default_max_tokens` ({room}) must be greater than 0, `default_max_tokens` "
+                f"({room}) = max_seq_len ({self.max_seq_len}) - `splited_prompt_len` "
+                f"({len(record.prompt_token_ids)})"
+            )
+        return None
+
     def abort(self, request_id: int) -> None:
         with self._cond:
             if self._stopped:
                 raise RuntimeError("the executor is shut down: its request queue is closed")
-            self._abort_ids.add(request_id)
             for active in self._waiting + self._running:
                 if active.record.request_id == request_id:
                     active.record.abort_requested = True
+                    self._abort_ids.add(request_id)
+            # An id the worker no longer holds (finished): nothing to do, as in
+            # base_worker.py's abort_request ("is finished, cannot abort it").
             self._cond.notify()
 
     def cached_prefix(self, prompt_ids: list[int]) -> int:
@@ -246,6 +389,15 @@ class StepEngine:
             del self._seen_prompts[:-64]
         return best // TOKENS_PER_BLOCK * TOKENS_PER_BLOCK
 
+    def halt(self) -> None:
+        """The worker dies: nothing it holds is ever answered."""
+        with self._cond:
+            self._halted = True
+            leftovers = self._waiting + self._running
+            self._waiting, self._running = [], []
+            self._cond.notify()
+        stats._add_running(-len(leftovers))
+
     def shutdown(self) -> None:
         with self._cond:
             self._stopped = True
@@ -257,11 +409,13 @@ class StepEngine:
         # No final output for these: their consumers wait for one that never comes.
         stats._add_running(-len(leftovers))
 
-    # -- the engine thread -------------------------------------------------------------
+    # -- the worker thread ------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stopped or self._waiting or self._running)
+                self._cond.wait_for(
+                    lambda: self._stopped or (not self._halted and (self._waiting or self._running))
+                )
                 if self._stopped:
                     return
                 self._step()
@@ -275,22 +429,28 @@ class StepEngine:
             if active.record.request_id in self._abort_ids and active.abort_seen_at is None:
                 active.abort_seen_at = self._step_no
                 active.record.aborted = True
-        # An abort observed in an earlier step takes effect now: one step later.
-        for active in [a for a in self._waiting + self._running if self._abort_due(a)]:
+        # A waiting request that is aborted is removed from the queue, unanswered.
+        for active in [a for a in self._waiting if a.abort_seen_at is not None]:
+            self._drop(active)
+            active.record.dropped_in_queue = True
+            stats._add_running(-1)
+        # An abort of a running request observed in an earlier step takes effect now.
+        for active in [a for a in self._running if self._abort_due(a)]:
             self._drop(active)
             self._finish(active, "cancelled", [])
         while self._waiting and len(self._running) < self._max_batch:
             self._running.append(self._waiting.pop(0))
         for active in list(self._running):
             self._generate_one(active)
+        stats._notify()
 
     def _abort_due(self, active: _Active) -> bool:
         return active.abort_seen_at is not None and active.abort_seen_at < self._step_no
 
     def _drop(self, active: _Active) -> None:
-        for queue in (self._waiting, self._running):
-            if active in queue:
-                queue.remove(active)
+        for waiting_or_running in (self._waiting, self._running):
+            if active in waiting_or_running:
+                waiting_or_running.remove(active)
         self._abort_ids.discard(active.record.request_id)
 
     def _generate_one(self, active: _Active) -> None:
@@ -298,38 +458,125 @@ class StepEngine:
         token = active.plan[min(record.generated, len(active.plan) - 1)]
         if token == EOS_ID and not active.ignore_eos:
             self._drop(active)
-            self._finish(active, "stop", [])
+            self._finish(active, "end_id", [])
             return
         record.generated += 1
         if record.aborted:
             record.tokens_after_abort += 1
+        active.output_ids.append(token)
         forced = controls.finish_with
         if forced is not None and record.generated >= controls.finish_after:
             self._drop(active)
             self._finish(active, forced, [token])
+        elif any(active.output_ids[-len(w) :] == w for w in active.stop_words if w):
+            self._drop(active)
+            self._finish(active, "stop_words", [token])
         elif record.generated >= active.max_tokens:
             self._drop(active)
             self._finish(active, "length", [token])
         elif active.streaming:
-            self._post(active, ([token], None, active.cached))
+            _post(active.deliver, ([token], None, active.cached))
         else:
             active.pending.append(token)
 
     def _finish(self, active: _Active, reason: str, tokens: list[int]) -> None:
         active.record.finish_reason = reason
-        self._post(active, ([*active.pending, *tokens], reason, active.cached))
+        _post(active.deliver, ([*active.pending, *tokens], reason, active.cached))
         active.pending = []
         stats._add_running(-1)
 
-    def _post(self, active: _Active, item: Post) -> None:
-        # The real executor notifies the loop with run_coroutine_threadsafe; a closed loop
-        # raises there too, and the request is simply lost to its consumer.
-        with contextlib.suppress(RuntimeError):
-            active.deliver(item)
+
+def _post(deliver: Callable[[Post], None], item: Post) -> None:
+    # The real worker notifies the loop with call_soon_threadsafe; a closed loop raises
+    # there too, and the request is simply lost to its consumer.
+    with contextlib.suppress(RuntimeError):
+        deliver(item)
 
 
-def make_deliver(loop: asyncio.AbstractEventLoop | None, queue: Any) -> Callable[[Post], None]:
-    """How the engine thread hands an output to the loop the request is bound to."""
+class Executor:
+    """The stand-in for the front end's executor (executor/proxy.py, executor/executor.py).
+
+    - ``_error_queue`` collects background errors; a dead worker process puts one there
+      (``mpi_done_callback`` in proxy.py).
+    - ``_handle_background_error`` runs on the *calling* thread: ``generate_async`` and
+      every response a ``RequestOutput`` handles call it. A per-request error is raised as
+      ``RequestError``; any other error first shuts the executor down, right there on that
+      thread (the event loop, for streaming outputs), and is then raised.
+    - ``shutdown()`` re-raises a stored background error at its end, after it has done
+      its work.
+    """
+
+    def __init__(self, worker: StepEngine, process: subprocess.Popen[bytes] | None) -> None:
+        self._worker = worker
+        self._process = process
+        self._error_queue: queue.Queue[BaseException] = queue.Queue()
+        self.doing_shutdown = False
+        self._monitor: threading.Thread | None = None
+        if process is not None:
+            self._monitor = threading.Thread(
+                target=self._watch_worker, name="standin-trtllm-monitor", daemon=True
+            )
+            self._monitor.start()
+
+    def is_shutdown(self) -> bool:
+        return self.doing_shutdown
+
+    def submit(self, record: RequestRecord, deliver: Callable[[Post], None]) -> None:
+        self._handle_background_error()
+        self._worker.submit(record, deliver)
+        self._handle_background_error()
+
+    def abort_request(self, request_id: int) -> None:
+        self._worker.abort(request_id)
+
+    def _watch_worker(self) -> None:
+        assert self._process is not None
+        code = self._process.wait()
+        if not self.doing_shutdown:
+            self._worker.halt()
+            self._error_queue.put(RuntimeError(f"Executor worker died (exit code {code})"))
+
+    def _handle_background_error(self, error: BaseException | str | None = None) -> None:
+        if error is not None:
+            if isinstance(error, str):
+                error = RequestError(error)
+            if not isinstance(error, RequestError):
+                self.shutdown()
+            raise error
+        if not self._error_queue.empty():
+            stored = self._error_queue.get()
+            self.shutdown()
+            raise stored
+
+    def shutdown(self) -> None:
+        if self.doing_shutdown:
+            return
+        self.doing_shutdown = True
+        self._worker.shutdown()
+        if self._process is not None:
+            assert self._process.stdin is not None
+            with contextlib.suppress(OSError):
+                self._process.stdin.close()  # the worker process exits on EOF
+            self._process.wait()
+        if self._monitor is not None:
+            self._monitor.join()
+        stats._add_shutdown()
+        self._handle_background_error()
+
+
+def start_worker_process() -> subprocess.Popen[bytes]:
+    """A child process standing for the MPI worker: it lives until its stdin closes."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.buffer.read()"],
+        stdin=subprocess.PIPE,
+    )
+    with stats._cond:
+        stats.worker_pids.append(process.pid)
+    return process
+
+
+def make_deliver(loop: asyncio.AbstractEventLoop | None, queue_: Any) -> Callable[[Post], None]:
+    """How the worker hands an output to the loop the request is bound to."""
     if loop is None:
-        return lambda item: queue.put(item)
-    return lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)
+        return lambda item: queue_.put(item)
+    return lambda item: loop.call_soon_threadsafe(queue_.put_nowait, item)

@@ -2,6 +2,7 @@
 
 Same names, signatures and observable behaviour as the real LLM API in the parts the
 gateway uses; the "model" is a scripted reply from ``tensorrt_llm._standin.controls``.
+Each behaviour names the real file it follows (TensorRT-LLM 1.2-era).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from tensorrt_llm import _standin
+from tensorrt_llm._standin import RequestError
 from tensorrt_llm.sampling_params import SamplingParams
 
 __all__ = [
@@ -27,8 +29,8 @@ __all__ = [
     "SamplingParams",
 ]
 
-# Keyword arguments the stand-in accepts; the real LLM validates against its LlmArgs fields
-# and raises ValueError("LLM got invalid argument: ...") for anything else.
+# Keyword arguments the stand-in accepts; the real LLM validates against its TorchLlmArgs
+# fields and raises ValueError("LLM got invalid argument: ...") for anything else.
 _VALID_KWARGS = {
     "backend",
     "kv_cache_config",
@@ -43,19 +45,16 @@ _VALID_KWARGS = {
 _ids = itertools.count(1)
 
 
-class RequestError(RuntimeError):
-    """The engine failed a request (the real one lives in tensorrt_llm.executor)."""
-
-
 @dataclass(kw_only=True)
 class KvCacheConfig:
-    """Subset of the real pydantic model; unknown fields fail (TypeError here)."""
+    """Subset of the real pydantic model (llmapi/llm_args.py); unknown fields fail."""
 
     enable_block_reuse: bool = True
     max_tokens: int | None = None
     free_gpu_memory_fraction: float | None = 0.9
     host_cache_size: int | None = None
     enable_partial_reuse: bool = True
+    tokens_per_block: int = _standin.TOKENS_PER_BLOCK
 
 
 @dataclass(slots=True)
@@ -81,17 +80,31 @@ class CompletionOutput:
         return self.token_ids[self._last_token_ids_len :]
 
 
+_FINISH_REASONS = {
+    "end_id": "stop",
+    "stop_words": "stop",
+    "length": "length",
+    "timeout": "timeout",
+    "cancelled": "cancelled",
+}
+
+
 class RequestOutput:
-    """The handle generate_async returns; iterating it yields itself, updated in place."""
+    """The handle generate_async returns; iterating it yields itself, updated in place.
+
+    Mirrors executor/result.py: every response is handled on the thread that iterates
+    (the event loop, for streaming), and each handling ends with the executor's
+    ``_handle_background_error`` check.
+    """
 
     def __init__(
         self,
-        engine: _standin.StepEngine,
+        executor: _standin.Executor,
         tokenizer: _standin.StandinTokenizer,
         record: _standin.RequestRecord,
         streaming: bool,
     ) -> None:
-        self._engine = engine
+        self._executor = executor
         self._tokenizer = tokenizer
         self._record = record
         self._streaming = streaming
@@ -109,15 +122,15 @@ class RequestOutput:
         except RuntimeError:
             self._loop = None
         self._queue: Any = asyncio.Queue() if self._loop else queue_mod.Queue()
-        self.deliver = _standin.make_deliver(self._loop, self._queue)
+        self._deliver = _standin.make_deliver(self._loop, self._queue)
 
     @property
     def finished(self) -> bool:
         return self._done
 
     def abort(self) -> None:
-        """Ask the engine to drop the request; returns at once (fire-and-forget)."""
-        self._engine.abort(self.request_id)
+        """Ask the worker to drop the request; returns at once (fire-and-forget)."""
+        self._executor.abort_request(self.request_id)
         self._aborted = True
 
     def aborted(self) -> bool:
@@ -156,39 +169,53 @@ class RequestOutput:
             raise RuntimeError("RequestOutput is bound to a different event loop")
 
     def _handle(self, item: _standin.Post) -> None:
+        if isinstance(item, _standin.ErrorResponse):
+            self._executor._handle_background_error(item.message)  # raises RequestError
+            return
         new_ids, reason, cached = item
         out = self.outputs[0]
         self.cached_tokens = cached
         out._last_token_ids_len = len(out.token_ids)
         out._last_text_len = len(out.text)
         out.token_ids.extend(new_ids)
-        out.text = self._tokenizer.decode(out.token_ids)
         if reason is not None:
             self._done = True
-            out.finish_reason = reason
-        if self._done and reason == "cancelled":
-            return
-        self._cut_at_stop(out)
+            out.finish_reason = _FINISH_REASONS[reason]
+        if reason == "stop_words":
+            self._trim_stop_words(out)
+        out.text = self._tokenizer.decode(out.token_ids)
+        if out.finish_reason in (None, "stop", "length"):
+            self._cut_at_stop(out)
+        self._executor._handle_background_error()
+
+    def _trim_stop_words(self, out: CompletionOutput) -> None:
+        # As in GenerationResultBase._handle_sequence: the stop word's tokens are removed
+        # from token_ids, unless include_stop_str_in_output.
+        for reason, words in self._sampling._get_stop_reasons_and_words():
+            if words and out.token_ids[-len(words) :] == words:
+                out.stop_reason = reason
+                if not self._sampling.include_stop_str_in_output:
+                    out.token_ids = out.token_ids[: -len(words)]
+                return
 
     def _cut_at_stop(self, out: CompletionOutput) -> None:
-        # As in DetokenizedGenerationResultBase: the stop string is searched in the
-        # cumulative text, cut off (so text can shrink), and the request aborted.
-        for stop in self._sampling.stop_strings():
-            pos = out.text.find(stop)
-            if pos < 0:
+        # As in DetokenizedGenerationResultBase: a stop string found in the cumulative
+        # text is cut off (so text can shrink), and the request aborted.
+        for reason, _ in self._sampling._get_stop_reasons_and_words():
+            if not isinstance(reason, str) or reason not in out.text:
                 continue
-            keep = pos + len(stop) if self._sampling.include_stop_str_in_output else pos
+            pos = out.text.find(reason)
+            keep = pos + len(reason) if self._sampling.include_stop_str_in_output else pos
             out.text = out.text[:keep]
             out.finish_reason = "stop"
-            out.stop_reason = stop
-            if not self._done:
-                self.abort()
+            out.stop_reason = reason
+            self.abort()
             self._done = True
             return
 
 
 class LLM:
-    """The stand-in LLM: a tokenizer, ``args`` and a step thread instead of a GPU."""
+    """The stand-in LLM: a tokenizer, ``args``, an executor and a worker thread, no GPU."""
 
     def __init__(
         self,
@@ -215,6 +242,9 @@ class LLM:
         gate = _standin.controls.load_gate
         if gate is not None:
             gate.wait()  # loading takes long: callers must keep this off their event loop
+        kv = kv or KvCacheConfig()
+        # With the PyTorch backend, args.max_seq_len stays None unless passed: the worker
+        # settles the real limit (executor/base_worker.py, py_executor_creator.py).
         self.args = SimpleNamespace(
             model=str(model),
             backend=kwargs.get("backend", "pytorch"),
@@ -223,23 +253,33 @@ class LLM:
             max_num_tokens=kwargs.get("max_num_tokens", 8192),
             max_seq_len=kwargs.get("max_seq_len"),
             enable_chunked_prefill=kwargs.get("enable_chunked_prefill", False),
-            kv_cache_config=kv or KvCacheConfig(),
+            kv_cache_config=kv,
         )
         self._hf_model_config = SimpleNamespace(
             max_position_embeddings=_standin.controls.max_position_embeddings
         )
         self._tokenizer = _standin.StandinTokenizer()
-        self._engine: _standin.StepEngine | None = _standin.StepEngine(
-            self._tokenizer, self.args.max_batch_size, self.args.kv_cache_config.enable_block_reuse
+        worker = _standin.StepEngine(
+            self._tokenizer,
+            self.args.max_batch_size,
+            self._worker_max_seq_len(kv),
+            kv.enable_block_reuse,
         )
+        process = _standin.start_worker_process() if _standin.controls.worker_process else None
+        self._executor: _standin.Executor | None = _standin.Executor(worker, process)
+
+    def _worker_max_seq_len(self, kv: KvCacheConfig) -> int:
+        """What the worker settles on; the front end never learns it."""
+        limit = self.args.max_seq_len or self._hf_model_config.max_position_embeddings
+        caps = [c for c in (kv.max_tokens, _standin.controls.kv_cache_capacity) if c]
+        if caps:
+            kv_tokens = min(caps) // kv.tokens_per_block * kv.tokens_per_block
+            limit = min(limit, kv_tokens)
+        return int(limit)
 
     @property
     def tokenizer(self) -> _standin.StandinTokenizer:
         return self._tokenizer
-
-    @property
-    def _max_seq_len(self) -> int:
-        return int(self.args.max_seq_len or self._hf_model_config.max_position_embeddings)
 
     def generate(
         self,
@@ -272,12 +312,16 @@ class LLM:
         scheduling_params: Any = None,
         cache_salt: str | None = None,
     ) -> RequestOutput:
-        if self._engine is None:
+        executor = self._executor
+        if executor is None or executor.is_shutdown():
             raise RuntimeError("LLM is shutting down")
         sp = sampling_params if sampling_params is not None else SamplingParams()
         if sp.end_id is None:
-            sp.end_id = _standin.EOS_ID
+            sp._setup(self._tokenizer)
         if isinstance(inputs, str):
+            # The input processor tokenizes a text prompt here, on the caller's thread.
+            with _standin.stats._cond:
+                _standin.stats.prompts_encoded += 1
             prompt: str | None = inputs
             ids = self._tokenizer.encode(inputs, add_special_tokens=sp.add_special_tokens)
         else:
@@ -289,33 +333,16 @@ class LLM:
                 f"max_num_tokens ({max_num_tokens})"
             )
         record = _standin.RequestRecord(next(_ids), prompt, ids, sp, streaming)
-        output = RequestOutput(self._engine, self._tokenizer, record, streaming)
+        output = RequestOutput(executor, self._tokenizer, record, streaming)
         _standin.stats._add_request(record)
-        if len(ids) + sp.max_tokens > self._max_seq_len:
-            # The real executor reports an oversized request as an error response.
-            raise RequestError(
-                f"prompt ({len(ids)}) + max_tokens ({sp.max_tokens}) exceeds "
-                f"max_seq_len ({self._max_seq_len})"
-            )
-        plan = self._tokenizer.encode(_standin.controls.reply, add_special_tokens=False)
-        self._engine.submit(
-            _standin._Active(
-                record=record,
-                plan=[*plan, _standin.EOS_ID],
-                max_tokens=sp.max_tokens,
-                ignore_eos=sp.ignore_eos,
-                deliver=output.deliver,
-                streaming=streaming,
-                cached=self._engine.cached_prefix(ids),
-            )
-        )
+        executor.submit(record, output._deliver)
         return output
 
     def shutdown(self) -> None:
-        if self._engine is not None:
-            self._engine.shutdown()
-            self._engine = None
-            _standin.stats._add_shutdown()
+        # As in llmapi/llm.py: if the executor's shutdown raises, _executor stays set.
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
 
     def __enter__(self) -> LLM:
         return self
