@@ -22,7 +22,7 @@ from websockets.typing import Subprotocol
 
 from gateway import http, protocol
 from gateway.config import GatewayConfig
-from gateway.engines.base import Engine
+from gateway.engines.base import Engine, EngineError
 from gateway.metrics import Metrics
 from gateway.scheduler import Scheduler
 from sessions.outbox import CloseRequest, Outbox
@@ -78,6 +78,8 @@ class Gateway:
         started = time.perf_counter()
         try:
             await self.engine.start()
+        except EngineError:
+            raise  # its message says what is wrong and what to do: the caller shows it
         except Exception:
             log.exception("engine %s failed to start", self.engine.name)
             raise
@@ -85,7 +87,7 @@ class Gateway:
         if self.config.max_running is None:
             self.scheduler.max_running = self.engine.capacity
         self._session_defaults = self._describe_sessions()
-        log.info(
+        log.debug(  # the CLI's ready line says it for people
             "engine %s ready in %.2fs %s",
             self.engine.name,
             time.perf_counter() - started,
@@ -98,6 +100,11 @@ class Gateway:
             model=str(engine.describe().get("model", engine.name)),
             instructions=engine.default_instructions if instructions is None else instructions,
         )
+
+    @property
+    def model(self) -> str:
+        """The model sessions are told they talk to (the engine's, once it has started)."""
+        return self._session_defaults.model
 
     async def wait_ready(self) -> None:
         assert self._engine_task is not None
