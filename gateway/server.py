@@ -65,12 +65,13 @@ class Gateway:
             self._handle,
             self.config.host,
             self.config.port,
-            process_request=self._process_request,
+            process_request=http.answer_head(self._process_request),
             select_subprotocol=_select_subprotocol,
             max_size=self.config.max_message_bytes,
             compression=None,  # small JSON frames: deflate costs more CPU than it saves
             close_timeout=CLOSE_TIMEOUT,
             reuse_port=self.config.reuse_port or None,
+            create_connection=http.HeadAwareConnection,
         )
         self._engine_task = asyncio.get_running_loop().create_task(self._start_engine())
 
@@ -152,6 +153,7 @@ class Gateway:
         return {
             "status": "ok",
             "engine": self.engine.name,
+            "model": self.model,
             "worker": self.config.worker,
             "sessions": len(self.sessions),
             "responses": {"running": self.scheduler.running, "queued": self.scheduler.queued},
