@@ -100,6 +100,8 @@ class Gateway:
         return SessionConfig(
             model=str(engine.describe().get("model", engine.name)),
             instructions=engine.default_instructions if instructions is None else instructions,
+            temperature=engine.default_sampling.temperature,
+            top_p=engine.default_sampling.top_p,
         )
 
     @property

@@ -149,6 +149,8 @@ class Engine(abc.ABC):
 
     name: str = "engine"
     default_instructions: str = ""  # a session's instructions until it sets its own
+    # A session's temperature and top_p until it sets its own (None: the engine's own default).
+    default_sampling: SamplingParams = SamplingParams()
 
     @property
     @abc.abstractmethod
