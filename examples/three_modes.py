@@ -1,8 +1,12 @@
 """The three ways to call the gateway from Python: sync, async (many at once), async streaming.
 
-Start a gateway first (``python -m gateway --engine sim`` needs no model), then::
+Start the gateway first, in another terminal: ``make run`` serves the bundled model
+(``make run ARGS="--engine sim"``: a simulated engine, no model, made-up answers, instant).
+Then, from the checkout::
 
-    GATEWAY_URL=ws://127.0.0.1:8765/v1/realtime python examples/three_modes.py
+    .venv/bin/python examples/three_modes.py
+
+``GATEWAY_URL=ws://HOST:PORT/v1/realtime`` points it at a gateway elsewhere.
 """
 
 from __future__ import annotations

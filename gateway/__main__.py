@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from gateway import engines
 from gateway.config import GatewayConfig
@@ -19,15 +21,22 @@ from gateway.server import Gateway
 
 log = logging.getLogger("gateway")
 
+PROG = "llm-gateway"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
-def _number(kind: type[int] | type[float], low: float) -> Callable[[str], Any]:
-    """An argparse type that refuses values below ``low`` with a clear message."""
+
+def _number(
+    kind: type[int] | type[float], low: float, high: float | None = None
+) -> Callable[[str], Any]:
+    """An argparse type that refuses values outside ``low``..``high`` with a clear message."""
 
     def parse(text: str) -> int | float:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if high is not None and not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low} to {high}, got {text}")
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
         return value
@@ -36,59 +45,147 @@ def _number(kind: type[int] | type[float], low: float) -> Callable[[str], Any]:
 
 
 count = _number(int, 1)
+port_number = _number(int, 0, 65535)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """One line per flag where the terminal allows; each default shown once, and only a real one.
+
+    A help that names its default itself (``default: the engine's``) is left alone, and so is
+    a flag whose default is "nothing" (None, an empty list, off): adding a flag is one
+    ``add_argument`` call with no default written twice.
+    """
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = action.default not in (None, False, [], argparse.SUPPRESS)
+        if "default:" in text or "(default)" in text or not shown or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+    def _get_default_metavar_for_optional(self, action: argparse.Action) -> str:
+        """``N`` for a number, else the last word of the name: ``--upstream-api-key KEY``."""
+        return "N" if action.type in (int, float) else action.dest.rsplit("_", 1)[-1].upper()
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line, not the whole usage: what is wrong and where to look."""
+        self.exit(2, f"{PROG}: {message} (--help lists every flag)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    """The flags, by group. Adding one is one ``GROUP.add_argument(...)`` line; its default
+    is shown by the formatter (write ``default: ...`` in the help only when it is not a value)."""
+    parser = _Parser(
         prog="python -m gateway",
-        description="Streaming LLM gateway: the OpenAI Realtime text protocol over WebSocket.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        usage="%(prog)s [options]",
+        description="Streaming LLM gateway: the OpenAI Realtime text protocol over WebSocket,"
+        " and a chat page on the same port. README.md explains every flag.",
+        formatter_class=_HelpFormatter,
     )
-    add = parser.add_argument
-    add("--host", default="127.0.0.1", help="address to listen on")
-    add("--port", type=int, default=8765, help="port for WebSocket and HTTP (0: any free port)")
-    add("--engine", default=engines.DEFAULT_ENGINE, choices=sorted(engines.ENGINES))
-    add("--model", default=None, help="model for the engine (default: the engine's own)")
-    add(
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument(
+        "--port",
+        type=port_number,
+        default=8765,
+        help="port to listen on; 0: any free",
+    )
+    server.add_argument(
+        "--workers", type=count, default=1, metavar="N", help="processes sharing the port"
+    )
+    server.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default="INFO",
+        metavar="LEVEL",
+        help="debug, info, warning or error",
+    )
+    server.add_argument(
+        "--no-coalesce", action="store_true", help="a frame per delta, no merging (benchmarks)"
+    )
+    # Set by --workers for each process it starts.
+    server.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
+
+    limits = parser.add_argument_group("limits")
+    limits.add_argument(
         "--max-running",
         type=count,
-        default=None,
-        help="responses run at once (default: engine capacity)",
+        metavar="N",
+        help="responses at once (default: engine capacity)",
     )
-    add(
+    limits.add_argument(
         "--max-queued",
         type=_number(int, 0),
         default=256,
-        help="responses waiting; beyond: 'overloaded'",
+        metavar="N",
+        help="responses waiting for a slot",
     )
-    add("--max-sessions", type=count, default=None, help="connections at once; beyond: HTTP 503")
-    add(
+    limits.add_argument(
+        "--max-sessions",
+        type=count,
+        metavar="N",
+        help="connections at once (default: no limit)",
+    )
+    limits.add_argument(
         "--max-message-bytes",
         type=_number(int, 1024),
         default=1 << 20,
-        help="largest client frame; beyond: 1009",
+        metavar="N",
+        help="largest client frame (default: 1 MiB)",
     )
-    add("--allowed-origin", action="append", default=[], help="browser Origin allowed (repeatable)")
-    add("--api-key", default=None, help="require this key (Bearer header or subprotocol)")
-    add(
+    limits.add_argument(
         "--max-parallel-per-session",
         type=count,
         default=4,
+        metavar="N",
         help="out-of-band responses per session",
     )
-    add(
+    limits.add_argument(
         "--stall-timeout",
         type=_number(float, 0.01),
         default=30.0,
-        help="close clients that read nothing this long",
+        metavar="SECONDS",
+        help="close stalled clients after",
     )
-    add("--instructions", default=None, help="default instructions (default: the engine's)")
-    add("--no-coalesce", action="store_true", help="send every delta as its own frame (benchmarks)")
-    add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    add(
-        "--workers", type=count, default=1, help="gateway processes sharing the port (SO_REUSEPORT)"
+
+    security = parser.add_argument_group("security")
+    security.add_argument(
+        "--allowed-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="allowed Origin, repeatable (default: any)",
     )
-    add("--worker-index", type=int, default=None, help=argparse.SUPPRESS)  # set by --workers
+    security.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="key clients must send (default: none)",
+    )
+
+    engine = parser.add_argument_group("engine")
+    engine.add_argument(
+        "--engine",
+        default=engines.DEFAULT_ENGINE,
+        choices=sorted(engines.ENGINES),
+        metavar="NAME",
+        help="llamacpp (default), sim, trtllm, upstream",
+    )
+    engine.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="model to serve (default: the engine's own)",
+    )
+    engine.add_argument(
+        "--instructions",
+        metavar="TEXT",
+        help="new sessions' instructions (default: engine's)",
+    )
     engines.add_arguments(parser)
     return parser
 
@@ -112,27 +209,50 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     )
 
 
+def ready_line(gateway: Gateway, seconds: float) -> str:
+    """What a person needs once the model is up: where to go, and what answers there."""
+    host = _url_host(gateway.config.host)
+    base = f"{host}:{gateway.port}"
+    worker = f", worker {gateway.config.worker}" if gateway.config.reuse_port else ""
+    return (
+        f"ready in {seconds:.1f} s: chat page http://{base}/ · WebSocket ws://{base}/v1/realtime"
+        f" · model {gateway.model} ({gateway.engine.name} engine{worker})"
+    )
+
+
+def _url_host(host: str) -> str:
+    """The host as a browser can reach it: a wildcard address means this machine."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
 async def serve(gateway: Gateway) -> None:
     """Run until SIGTERM/SIGINT, then shut down gracefully."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await gateway.start()
-    cfg = gateway.config
-    log.info(
-        "listening on ws://%s:%d/v1/realtime (engine %s)",
-        cfg.host,
-        gateway.port,
-        gateway.engine.name,
-    )
+    began = time.perf_counter()
+    try:
+        await gateway.start()
+    except OSError as exc:
+        cfg = gateway.config
+        raise CannotListen(describe_os_error(exc, cfg.host, cfg.port)) from exc
+    # Listening already (/healthz and /readyz answer, the page says "loading"), but not
+    # ready: the ready line comes only once the engine has loaded its model.
+    log.info("loading the %s engine…", gateway.engine.name)
     ready = loop.create_task(gateway.wait_ready())
     stopping = loop.create_task(stop.wait())
     await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if ready.done() and ready.exception() is not None:
-        stopping.cancel()
-        await gateway.stop()
-        raise ready.exception()  # type: ignore[misc]
+    if ready.done():
+        if (failure := ready.exception()) is not None:
+            stopping.cancel()
+            await gateway.stop()
+            raise failure
+        log.info("%s", ready_line(gateway, time.perf_counter() - began))
     failed = loop.create_task(gateway.engine_failed.wait())
     await asyncio.wait({stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()
@@ -182,6 +302,26 @@ def _free_port(host: str) -> int:
         return port
 
 
+class CannotListen(Exception):
+    """The port cannot be opened; the message says why and which flag fixes it."""
+
+
+def describe_os_error(exc: OSError, host: str, port: int) -> str:
+    """One line for a socket that cannot be opened: the cause, and the flag that fixes it."""
+    if isinstance(exc, socket.gaierror):
+        return f"--host {host}: cannot resolve this address ({exc.strerror})"
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"port {port} on {host} is already in use (another gateway?): "
+            "stop it, or choose another with --port (0: any free port)"
+        )
+    if exc.errno == errno.EACCES:
+        return f"no permission to listen on port {port}: choose one above 1023 with --port"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"--host {host}: not an address of this machine"
+    return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -208,10 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine = engines.from_args(args)
         asyncio.run(serve(Gateway(engine, config_from_args(args))))
     except EngineError as exc:
-        print(f"llm-gateway: {exc.message}", file=sys.stderr)
+        print(f"{PROG}: {exc.message}", file=sys.stderr)
         return 2
-    except OSError as exc:
-        print(f"llm-gateway: {exc}", file=sys.stderr)
+    except (CannotListen, OSError) as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
     return 0
 

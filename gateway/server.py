@@ -26,7 +26,7 @@ from websockets.typing import Subprotocol
 
 from gateway import http, protocol
 from gateway.config import GatewayConfig
-from gateway.engines.base import Engine
+from gateway.engines.base import Engine, EngineError
 from gateway.metrics import Metrics
 from gateway.scheduler import Scheduler
 from sessions.outbox import Outbox
@@ -75,12 +75,13 @@ class Gateway:
             self._handle,
             self.config.host,
             self.config.port,
-            process_request=self._process_request,
+            process_request=http.answer_head(self._process_request),
             select_subprotocol=_select_subprotocol,
             max_size=self.config.max_message_bytes,
             compression=None,  # small JSON frames: deflate costs more CPU than it saves
             close_timeout=CLOSE_TIMEOUT,
             reuse_port=self.config.reuse_port or None,
+            create_connection=http.HeadAwareConnection,
         )
         loop = asyncio.get_running_loop()
         self._engine_task = loop.create_task(self._start_engine())
@@ -90,6 +91,8 @@ class Gateway:
         started = time.perf_counter()
         try:
             await self.engine.start()
+        except EngineError:
+            raise  # its message says what is wrong and what to do: the caller shows it
         except Exception:
             log.exception("engine %s failed to start", self.engine.name)
             raise
@@ -97,7 +100,7 @@ class Gateway:
         if self.config.max_running is None:
             self.scheduler.max_running = self.engine.capacity
         self._session_defaults = self._describe_sessions()
-        log.info(
+        log.debug(  # the CLI's ready line says it for people
             "engine %s ready in %.2fs %s",
             self.engine.name,
             time.perf_counter() - started,
@@ -109,7 +112,14 @@ class Gateway:
         return SessionConfig(
             model=str(engine.describe().get("model", engine.name)),
             instructions=engine.default_instructions if instructions is None else instructions,
+            temperature=engine.default_sampling.temperature,
+            top_p=engine.default_sampling.top_p,
         )
+
+    @property
+    def model(self) -> str:
+        """The model sessions are told they talk to (the engine's, once it has started)."""
+        return self._session_defaults.model
 
     async def wait_ready(self) -> None:
         assert self._engine_task is not None
@@ -159,6 +169,7 @@ class Gateway:
         return {
             "status": "ok",
             "engine": self.engine.name,
+            "model": self.model,
             "engine_details": self.engine.describe(),
             "worker": self.config.worker,
             "sessions": len(self.sessions),

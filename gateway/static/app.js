@@ -39,9 +39,11 @@ const state = {
   attempt: 0, // consecutive failed connection attempts, for the backoff
   retryTimer: null,
   eventSeq: 0,
-  // Finished turns, in order, so that a new server session after a reconnect can be
-  // given the same conversation again: [{role: "user" | "assistant", text}].
-  history: [],
+  // Every turn shown, in order: {user, assistant}, where assistant is the answer's text once
+  // it has ended (stopped answers too: the server keeps them) and null while it is on its
+  // way or when it failed. A new server session after a reconnect is given the answered
+  // turns again (see conversationItems).
+  turns: [],
   current: null, // the answer being produced, see startAnswer()
   lastSettings: null, // JSON of the session settings last sent, to send only changes
 };
@@ -205,6 +207,7 @@ function onSessionCreated(session) {
   if (!reconnected && !ui.instructions.value && session.instructions) {
     ui.instructions.value = session.instructions;
   }
+  adoptServerSampling(session);
   state.ready = true;
   state.everReady = true;
   state.attempt = 0;
@@ -214,7 +217,7 @@ function onSessionCreated(session) {
   ui.apiKeyHint.textContent = "Kept in this tab only (sessionStorage).";
   hideError("connection");
   syncSettings();
-  if (reconnected && state.history.length) restoreHistory();
+  if (reconnected) restoreConversation();
   updateControls();
   showEngine();
 }
@@ -223,7 +226,7 @@ function onSessionCreated(session) {
 async function showEngine() {
   try {
     const health = await (await fetch("/healthz", { cache: "no-store" })).json();
-    const model = health.model ? ` · ${health.model}` : "";
+    const model = health.model && health.model !== health.engine ? ` · ${health.model}` : "";
     $("engine").textContent = `${health.engine}${model}`;
     $("engine").hidden = !health.engine;
   } catch {
@@ -231,16 +234,34 @@ async function showEngine() {
   }
 }
 
-/** A new server session knows nothing: give it the turns this page has shown so far. */
-function restoreHistory() {
-  for (const turn of state.history) {
-    const contentType = turn.role === "user" ? "input_text" : "output_text";
-    send({
-      type: "conversation.item.create",
-      item: { type: "message", role: turn.role, content: [{ type: contentType, text: turn.text }] },
-    });
+/**
+ * The conversation a new server session should hold: each answered turn as a user item and
+ * an assistant item, so roles always alternate. A question whose answer never came (the
+ * server died, the answer failed) is left out: sent alone it would sit before the next
+ * question as two user turns in a row.
+ */
+function conversationItems(turns) {
+  const items = [];
+  for (const turn of turns) {
+    if (!turn.assistant) continue;
+    items.push({ role: "user", content: [{ type: "input_text", text: turn.user }] });
+    items.push({ role: "assistant", content: [{ type: "output_text", text: turn.assistant }] });
   }
-  addNote(`Reconnected — ${state.history.length} earlier messages restored on the server.`);
+  return items;
+}
+
+/** A new server session knows nothing: give it the conversation this page has shown. */
+function restoreConversation() {
+  const items = conversationItems(state.turns);
+  for (const item of items) {
+    send({ type: "conversation.item.create", item: { type: "message", ...item } });
+  }
+  const unanswered = state.turns.filter((turn) => !turn.assistant).length;
+  if (!items.length && !unanswered) return;
+  let note = `Reconnected — ${items.length} earlier messages restored on the server.`;
+  if (unanswered === 1) note += " The question without an answer was left out.";
+  if (unanswered > 1) note += ` ${unanswered} questions without an answer were left out.`;
+  addNote(note);
 }
 
 function onResponseCreated(response) {
@@ -282,7 +303,7 @@ function onResponseDone(response) {
     cur.el.dataset.outputTokens = String(response.usage.output_tokens);
   }
   // The server keeps partial (stopped) answers in the conversation, so the page does too.
-  if (kind !== "failed" && cur.text) state.history.push({ role: "assistant", text: cur.text });
+  if (kind !== "failed" && cur.text) cur.turn.assistant = cur.text;
   finishCurrent();
 }
 
@@ -355,15 +376,16 @@ function sendMessage() {
   });
   if (!itemEventId) return;
   addUserMessage(text);
-  state.history.push({ role: "user", text });
+  const turn = { user: text, assistant: null };
+  state.turns.push(turn);
   ui.prompt.value = "";
   autoGrow();
-  startAnswer();
+  startAnswer(turn);
   state.current.createEventId = send({ type: "response.create" });
   updateControls();
 }
 
-function startAnswer() {
+function startAnswer(turn) {
   const el = document.createElement("article");
   el.className = "message assistant pending";
   const textEl = document.createElement("div");
@@ -375,6 +397,7 @@ function startAnswer() {
   el.append(textEl, statusEl);
   appendToMessages(el);
   state.current = {
+    turn,
     el,
     textEl,
     statusEl,
@@ -420,7 +443,7 @@ function stopAnswer() {
 function newConversation() {
   // A new socket is a new server session: nothing of the old conversation survives there.
   state.current = null;
-  state.history = [];
+  state.turns = [];
   state.everReady = false;
   for (const el of [...ui.messages.children]) if (el !== ui.empty) el.remove();
   ui.empty.hidden = false;
@@ -432,13 +455,37 @@ function newConversation() {
 
 // ---------------------------------------------------------------- settings
 
+/**
+ * The page starts from the sampling the server starts sessions with (each engine picks what
+ * suits its model: a small one needs a low temperature) until the user moves the slider.
+ * A server with no default of its own (null) gets null back: the engine's own default.
+ */
+function adoptServerSampling(session) {
+  if (ui.temperature.dataset.touched) return;
+  const temperature = typeof session.temperature === "number" ? session.temperature : null;
+  ui.temperature.dataset.serverDefault = temperature === null ? "" : String(temperature);
+  if (temperature !== null) ui.temperature.value = String(temperature);
+  showTemperature();
+}
+
+function pageTemperature() {
+  const untouchedEngineDefault =
+    !ui.temperature.dataset.touched && ui.temperature.dataset.serverDefault === "";
+  return untouchedEngineDefault ? null : Number(ui.temperature.value);
+}
+
+function showTemperature() {
+  const value = pageTemperature();
+  ui.temperatureValue.textContent = value === null ? "model default" : value.toFixed(2);
+}
+
 function currentSettings() {
   const maxTokens = Number.parseInt(ui.maxTokens.value, 10);
   return {
     type: "realtime",
     output_modalities: ["text"],
     instructions: ui.instructions.value,
-    temperature: Number(ui.temperature.value),
+    temperature: pageTemperature(),
     max_output_tokens: Number.isFinite(maxTokens) && maxTokens > 0 ? maxTokens : "inf",
   };
 }
@@ -557,7 +604,8 @@ for (const input of [ui.instructions, ui.temperature, ui.maxTokens]) {
   input.addEventListener("change", syncSettings);
 }
 ui.temperature.addEventListener("input", () => {
-  ui.temperatureValue.textContent = Number(ui.temperature.value).toFixed(2);
+  ui.temperature.dataset.touched = "true";
+  showTemperature();
 });
 ui.apiKey.addEventListener("change", saveKey);
 $("api-key-form").addEventListener("submit", (ev) => {
@@ -576,7 +624,6 @@ function setSettingsOpen(open) {
 
 setSettingsOpen(window.matchMedia("(min-width: 900px)").matches);
 ui.apiKey.value = sessionStorage.getItem(KEY_STORAGE) ?? "";
-ui.temperatureValue.textContent = Number(ui.temperature.value).toFixed(2);
 updateControls();
 connect();
 ui.prompt.focus();

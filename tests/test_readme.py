@@ -1,0 +1,76 @@
+"""Every Python block of README.md runs as a newcomer runs it: pasted into a file, run with python.
+
+The blocks talk to ``127.0.0.1:8765``, where ``make run`` serves; here that address is
+rewritten to a gateway on the simulated engine (started as ``make run ARGS="--engine sim"``
+would, on a free port), so the blocks run as printed, against a real gateway process.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+ADDRESS = "127.0.0.1:8765"  # what make run serves, and what the blocks use
+TIMEOUT = 60.0
+
+
+def python_blocks() -> list[tuple[int, str]]:
+    """(line number, code) of each ```python block."""
+    text = README.read_text(encoding="utf-8")
+    return [
+        (text.count("\n", 0, m.start()) + 2, m.group(1))
+        for m in re.finditer(r"^```python\n(.*?)^```$", text, re.DOTALL | re.MULTILINE)
+    ]
+
+
+BLOCKS = python_blocks()
+
+
+@pytest.fixture(scope="module")
+def address() -> Iterator[str]:
+    """``host:port`` of a gateway process on the sim engine: answers long enough to cancel."""
+    command = [sys.executable, "-m", "gateway", "--engine", "sim", "--port", "0"]
+    command += ["--sim-step-ms", "2", "--sim-response-tokens", "200"]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    assert proc.stderr is not None
+    try:
+        found = None
+        while found is None:
+            line = proc.stderr.readline()
+            assert line, f"the gateway exited with {proc.wait()} before its ready line"
+            found = re.search(r"chat page http://(127\.0\.0\.1:\d+)/", line)
+        yield found.group(1)
+    finally:
+        proc.terminate()
+        proc.wait(TIMEOUT)
+        proc.stderr.close()
+
+
+def test_readme_has_the_blocks_this_test_runs() -> None:
+    assert len(BLOCKS) >= 2
+    assert all(ADDRESS in code for _, code in BLOCKS), "a block talks to another address"
+
+
+@pytest.mark.parametrize(("line", "code"), BLOCKS, ids=[f"README.md:{n}" for n, _ in BLOCKS])
+def test_block_runs_as_a_file(line: int, code: str, address: str, tmp_path: Path) -> None:
+    script = tmp_path / "snippet.py"
+    script.write_text(code.replace(ADDRESS, address), encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert done.returncode == 0, f"README.md:{line} failed:\n{done.stderr}"
+    assert done.stdout.strip(), f"README.md:{line} printed nothing"
+    assert done.stdout.endswith("\n"), f"README.md:{line}: the last line is left open"
+    if "stream.cancel()" in code:
+        # The cancel it shows happens, and the answer says so.
+        assert "\ncancelled " in done.stdout, done.stdout
