@@ -30,13 +30,21 @@ MAX_ID_CHARS = 64
 # Ids
 
 
-_counter = itertools.count(1)
-_process_tag = secrets.token_hex(3)
+ID_RANDOM_BYTES = 10  # 80 bits: no client guesses the id of an item it did not make
+_event_counter = itertools.count(1)
+_event_prefix = f"event_{secrets.token_hex(3)}_"
 
 
 def new_id(prefix: str) -> str:
-    """A process-unique id such as ``event_3f2a1c_17``: cheap, and never reused."""
-    return f"{prefix}_{_process_tag}_{next(_counter):x}"
+    """An id no client can predict, such as ``item_9c1e...``: for sessions, conversations,
+    items and responses, whose ids a client may also choose (items) or must not guess."""
+    return f"{prefix}_{secrets.token_hex(ID_RANDOM_BYTES)}"
+
+
+def new_event_id() -> str:
+    """A process-unique ``event_id`` such as ``event_3f2a1c_17``. One per frame, so it is
+    only a counter: an event id names nothing a client could take or use."""
+    return f"{_event_prefix}{next(_event_counter):x}"
 
 
 # ---------------------------------------------------------------------------
@@ -509,7 +517,7 @@ def encode(event: JSON) -> bytes:
 
 def event(event_type: str, **fields: Any) -> JSON:
     """Any server event: its ``type``, a fresh ``event_id`` and the given fields."""
-    return {"type": event_type, "event_id": new_id("event"), **fields}
+    return {"type": event_type, "event_id": new_event_id(), **fields}
 
 
 def error_event(err: ProtocolError) -> JSON:
