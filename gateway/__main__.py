@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import resource
 import signal
 import socket
 import subprocess
@@ -12,7 +13,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gateway import engines
+from websockets.exceptions import InvalidHandshake
+
+from gateway import auth, engines
 from gateway.config import GatewayConfig
 from gateway.engines.base import EngineError
 from gateway.server import Gateway
@@ -69,7 +72,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest client frame; beyond: 1009",
     )
     add("--allowed-origin", action="append", default=[], help="browser Origin allowed (repeatable)")
-    add("--api-key", default=None, help="require this key (Bearer header or subprotocol)")
+    add(
+        "--api-key",
+        action="append",
+        default=[],
+        help=f"require this key (repeatable; better: --api-key-file or ${auth.ENV_VAR})",
+    )
+    add("--api-key-file", default=None, help="require the keys in this file (one a line)")
+    add(
+        "--client-secret-ttl",
+        type=_number(int, auth.MIN_SECRET_TTL),
+        default=auth.DEFAULT_SECRET_TTL,
+        help="seconds a client secret lives at most (POST /v1/realtime/client_secrets)",
+    )
+    add(
+        "--client-secret-url",
+        default=None,
+        help="path on the page's origin where the chat page POSTs for a client secret",
+    )
+    add(
+        "--handshake-timeout",
+        type=_number(float, 0.1),
+        default=5.0,
+        help="seconds a new connection has to send its whole HTTP request",
+    )
+    add(
+        "--max-handshakes",
+        type=count,
+        default=1024,
+        help="connections still in their handshake; beyond, the oldest is dropped",
+    )
     add(
         "--max-parallel-per-session",
         type=count,
@@ -102,7 +134,11 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_sessions=args.max_sessions,
         max_message_bytes=args.max_message_bytes,
         allowed_origins=tuple(args.allowed_origin),
-        api_key=args.api_key,
+        api_keys=auth.read_api_keys(args.api_key, args.api_key_file),
+        client_secret_ttl=args.client_secret_ttl,
+        client_secret_url=args.client_secret_url,
+        handshake_timeout=args.handshake_timeout,
+        max_handshakes=args.max_handshakes,
         max_parallel_per_session=args.max_parallel_per_session,
         stall_timeout=args.stall_timeout,
         coalesce=not args.no_coalesce,
@@ -172,6 +208,28 @@ def _free_port(host: str) -> int:
         return port
 
 
+def not_a_client_fault(record: logging.LogRecord) -> bool:
+    """Hide websockets' "opening handshake failed" when the client caused it (garbage,
+    a closed or timed-out connection); keep it when something in the server broke."""
+    if record.getMessage() != "opening handshake failed" or not record.exc_info:
+        return True
+    return not isinstance(record.exc_info[1], InvalidHandshake | EOFError | OSError | TimeoutError)
+
+
+def raise_open_file_limit() -> None:
+    """Every connection is a file descriptor, and the usual soft limit (1024) is far below
+    what one process serves: raise it to the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    unlimited = resource.RLIM_INFINITY
+    if soft == unlimited or (hard != unlimited and soft >= hard):
+        return
+    target = hard if hard != unlimited else max(soft, 1 << 20)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("could not raise the open-file limit from %d: %s", soft, exc)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -180,15 +238,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.log_level != "DEBUG":
         # One line per connection and per HTTP GET is noise, and so is a traceback
-        # for every malformed request a scanner sends.
+        # for every malformed request a scanner sends; a failure of our own is not.
         websockets_log = logging.getLogger("websockets.server")
         websockets_log.setLevel(logging.WARNING)
-        websockets_log.addFilter(lambda r: r.getMessage() != "opening handshake failed")
+        websockets_log.addFilter(not_a_client_fault)
+    try:
+        config = config_from_args(args)  # reads the keys: fails here, before any worker
+    except auth.KeyConfigError as exc:
+        print(f"llm-gateway: {exc}", file=sys.stderr)
+        return 2
+    raise_open_file_limit()
     if args.workers > 1 and args.worker_index is None:
         return run_workers(args, argv)
     try:
         engine = engines.from_args(args)
-        asyncio.run(serve(Gateway(engine, config_from_args(args))))
+        asyncio.run(serve(Gateway(engine, config)))
     except EngineError as exc:
         print(f"llm-gateway: {exc.message}", file=sys.stderr)
         return 2

@@ -227,7 +227,7 @@ async def test_page_reconnects_after_the_gateway_restarts(browser: Browser) -> N
 
 async def test_page_asks_for_the_api_key_and_keeps_it_in_the_tab(browser: Browser) -> None:
     async with (
-        running_gateway(SimEngine(step_ms=5, response_tokens=8), api_key="s3cret") as gw,
+        running_gateway(SimEngine(step_ms=5, response_tokens=8), api_keys=("s3cret",)) as gw,
         chat_page(browser, gw.http_url) as page,
     ):
         await expect(page.get_by_test_id("error")).to_contain_text("API key")
