@@ -7,7 +7,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -239,3 +241,27 @@ async def test_no_key_configured_means_open_and_minting_still_works() -> None:
         assert answer.status_code == 200
         async with RawClient.connect(gw.ws_url, **subprotocol(answer.json()["value"])):
             pass
+
+
+async def test_the_backend_in_docs_browser_md_mints_secrets_that_open_sessions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    text = (Path(__file__).parent.parent / "docs" / "browser.md").read_text()
+    section = text.split("## Client secrets", 1)[1]
+    snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.setenv(auth.ENV_VAR, "sk-docs")
+    async with running_gateway(SimEngine(step_ms=0), api_keys=("sk-docs",)) as gw:
+        namespace: dict[str, Any] = {"__name__": "backend"}
+        exec(snippet.replace("http://127.0.0.1:8765", gw.http_url), namespace)
+        backend = ThreadingHTTPServer(("127.0.0.1", 0), namespace["Backend"])
+        threading.Thread(target=backend.serve_forever, daemon=True).start()
+        try:
+            url = f"http://127.0.0.1:{backend.server_port}/app/realtime-secret"
+            async with httpx.AsyncClient() as http:
+                answer = (await http.post(url)).json()
+        finally:
+            backend.shutdown()
+            backend.server_close()
+        assert set(answer) == {"value", "expires_at"}
+        async with RawClient.connect(gw.ws_url, **subprotocol(answer["value"])) as c:
+            assert c.events[0]["type"] == "session.created"
