@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import math
 import secrets
 from collections.abc import Callable, Mapping
@@ -19,6 +20,8 @@ from typing import Any, Literal, TypeAlias
 import orjson
 
 from gateway.engines.base import Role, Usage
+
+log = logging.getLogger(__name__)
 
 JSON: TypeAlias = dict[str, Any]
 
@@ -344,6 +347,7 @@ def _session_update(r: _Reader) -> SessionUpdate:
 
 
 _ROLE_PART = {"user": "input_text", "system": "input_text", "assistant": "output_text"}
+_ROLE_NAMES = tuple(_ROLE_PART)
 _ITEM_FIELDS = frozenset({"id", "type", "role", "content", "object", "status"})
 
 
@@ -353,7 +357,7 @@ def _item(r: _Reader) -> ItemSpec:
     if item_type != "message":
         raise r.fail("type", "Only items of type 'message' are supported.")
     role = r.required("role")
-    if role not in _ROLE_PART:
+    if role not in _ROLE_NAMES:  # a tuple: an unhashable role (a list) is no TypeError
         raise r.fail("role", "'role' must be one of 'user', 'system', 'assistant'.")
     content = r.required("content")
     if not isinstance(content, list) or not content:
@@ -504,7 +508,18 @@ def decode(frame: str | bytes) -> ClientEvent:
     reader = _Reader(obj, "", event_id)
     if event_type == "session.update":
         reader.only(frozenset({"type", "event_id", "session"}))
-    return decoder(reader)
+    try:
+        return decoder(reader)
+    except ProtocolError:
+        raise
+    except Exception:  # a validator's bug must cost one event, not the connection
+        log.exception("failed to decode a %s event", event_type)
+        raise ProtocolError(
+            "invalid_event",
+            "The gateway could not read this event.",
+            event_id=event_id,
+            error_type="server_error",
+        ) from None
 
 
 # ---------------------------------------------------------------------------
