@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from websockets.exceptions import InvalidHandshake
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from gateway import auth, engines
 from gateway.config import GatewayConfig
@@ -213,7 +213,8 @@ def not_a_client_fault(record: logging.LogRecord) -> bool:
     a closed or timed-out connection); keep it when something in the server broke."""
     if record.getMessage() != "opening handshake failed" or not record.exc_info:
         return True
-    return not isinstance(record.exc_info[1], InvalidHandshake | EOFError | OSError | TimeoutError)
+    client_faults = InvalidHandshake | ConnectionClosed | EOFError | OSError | TimeoutError
+    return not isinstance(record.exc_info[1], client_faults)
 
 
 def raise_open_file_limit() -> None:
