@@ -41,6 +41,7 @@ KEY_SUBPROTOCOL = "openai-insecure-api-key."
 _SINGLE_HEADERS = ("Origin", "Authorization")
 _ASCII_HEADERS = ("Origin", "Authorization", "Sec-WebSocket-Protocol")
 CLOSE_TIMEOUT = 2.0
+LISTEN_BACKLOG = 1024  # the kernel caps it at net.core.somaxconn
 
 
 class Gateway:
@@ -85,6 +86,9 @@ class Gateway:
             close_timeout=CLOSE_TIMEOUT,
             create_connection=HandshakeConnection.bound(self.pending, self._plain_request),
             reuse_port=self.config.reuse_port or None,
+            # asyncio's default (100) overflows in a burst of connects: the kernel then
+            # drops their handshakes' last ACK and each waits for a SYN-ACK resend (1 s+).
+            backlog=LISTEN_BACKLOG,
         )
         self._engine_task = asyncio.get_running_loop().create_task(self._start_engine())
 

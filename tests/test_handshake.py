@@ -15,7 +15,12 @@ import time
 import pytest
 from websockets.exceptions import InvalidMessage
 
-from gateway.__main__ import not_a_client_fault, raise_open_file_limit
+from gateway.__main__ import (
+    build_parser,
+    config_from_args,
+    not_a_client_fault,
+    raise_open_file_limit,
+)
 from gateway.config import GatewayConfig
 from gateway.engines.sim import SimEngine
 from gateway.server import Gateway
@@ -201,3 +206,16 @@ def test_the_open_file_limit_is_raised_to_the_hard_limit() -> None:
         assert raised == hard or (hard == resource.RLIM_INFINITY and raised >= 1 << 20)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_security_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLM_GATEWAY_API_KEY", "from-env")
+    argv = ["--api-key", "a", "--api-key", "b", "--handshake-timeout", "2.5"]
+    argv += ["--max-handshakes", "64", "--client-secret-ttl", "120"]
+    argv += ["--client-secret-url", "/app/secret"]
+    config = config_from_args(build_parser().parse_args(argv))
+    assert config.api_keys == ("a", "b", "from-env")
+    assert (config.handshake_timeout, config.max_handshakes) == (2.5, 64)
+    assert (config.client_secret_ttl, config.client_secret_url) == (120, "/app/secret")
+    defaults = config_from_args(build_parser().parse_args([]))
+    assert (defaults.handshake_timeout, defaults.max_handshakes) == (5.0, 1024)
