@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import errno
 import logging
+import resource
 import signal
 import socket
 import subprocess
@@ -14,7 +15,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from gateway import engines
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
+
+from gateway import auth, engines
 from gateway.config import GatewayConfig
 from gateway.engines.base import EngineError, EngineUnavailableError
 from gateway.server import Gateway
@@ -140,6 +143,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest client frame (default: 1 MiB)",
     )
     limits.add_argument(
+        "--handshake-timeout",
+        type=_number(float, 0.1),
+        default=5.0,
+        metavar="SECONDS",
+        help="for a new connection's request",
+    )
+    limits.add_argument(
+        "--max-handshakes",
+        type=count,
+        default=1024,
+        metavar="N",
+        help="unfinished handshakes kept",
+    )
+    limits.add_argument(
         "--max-parallel-per-session",
         type=count,
         default=4,
@@ -164,8 +181,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     security.add_argument(
         "--api-key",
+        action="append",
+        default=[],
         metavar="KEY",
-        help="key clients must send (default: none)",
+        help=f"key, repeatable; or ${auth.ENV_VAR}",
+    )
+    security.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        help="file of keys clients may send, one a line",
+    )
+    security.add_argument(
+        "--client-secret-ttl",
+        type=_number(int, auth.MIN_SECRET_TTL),
+        default=auth.DEFAULT_SECRET_TTL,
+        metavar="SECONDS",
+        help="max life of a client secret",
+    )
+    security.add_argument(
+        "--client-secret-url",
+        metavar="PATH",
+        help="where the chat page POSTs for a client secret",
     )
 
     engine = parser.add_argument_group("engine")
@@ -199,7 +235,11 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_sessions=args.max_sessions,
         max_message_bytes=args.max_message_bytes,
         allowed_origins=tuple(args.allowed_origin),
-        api_key=args.api_key,
+        api_keys=auth.read_api_keys(args.api_key, args.api_key_file),
+        client_secret_ttl=args.client_secret_ttl,
+        client_secret_url=args.client_secret_url,
+        handshake_timeout=args.handshake_timeout,
+        max_handshakes=args.max_handshakes,
         max_parallel_per_session=args.max_parallel_per_session,
         stall_timeout=args.stall_timeout,
         coalesce=not args.no_coalesce,
@@ -322,6 +362,29 @@ def describe_os_error(exc: OSError, host: str, port: int) -> str:
     return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
 
 
+def not_a_client_fault(record: logging.LogRecord) -> bool:
+    """Hide websockets' "opening handshake failed" when the client caused it (garbage,
+    a closed or timed-out connection); keep it when something in the server broke."""
+    if record.getMessage() != "opening handshake failed" or not record.exc_info:
+        return True
+    client_faults = InvalidHandshake | ConnectionClosed | EOFError | OSError | TimeoutError
+    return not isinstance(record.exc_info[1], client_faults)
+
+
+def raise_open_file_limit() -> None:
+    """Every connection is a file descriptor, and the usual soft limit (1024) is far below
+    what one process serves: raise it to the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    unlimited = resource.RLIM_INFINITY
+    if soft == unlimited or (hard != unlimited and soft >= hard):
+        return
+    target = hard if hard != unlimited else max(soft, 1 << 20)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("could not raise the open-file limit from %d: %s", soft, exc)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -330,23 +393,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.log_level != "DEBUG":
         # One line per connection and per HTTP GET is noise, and so is a traceback
-        # for every malformed request a scanner sends.
+        # for every malformed request a scanner sends; a failure of our own is not.
         websockets_log = logging.getLogger("websockets.server")
         websockets_log.setLevel(logging.WARNING)
-        websockets_log.addFilter(lambda r: r.getMessage() != "opening handshake failed")
+        websockets_log.addFilter(not_a_client_fault)
     if args.workers > 1 and args.engine == "trtllm":
         print(
-            "llm-gateway: --workers with --engine trtllm would load the model once per worker "
+            f"{PROG}: --workers with --engine trtllm would load the model once per worker "
             "on one GPU (each copy claims most of its memory): run one worker, or run "
             "trtllm-serve replicas behind --engine upstream",
             file=sys.stderr,
         )
         return 2
+    try:
+        config = config_from_args(args)  # reads the keys: fails here, before any worker
+    except auth.KeyConfigError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    raise_open_file_limit()
     if args.workers > 1 and args.worker_index is None:
         return run_workers(args, argv)
     try:
         engine = engines.from_args(args)
-        asyncio.run(serve(Gateway(engine, config_from_args(args))))
+        asyncio.run(serve(Gateway(engine, config)))
     except EngineError as exc:
         print(f"{PROG}: {exc.message}", file=sys.stderr)
         return 2

@@ -14,7 +14,11 @@ class GatewayConfig:
     max_sessions: int | None = None
     max_message_bytes: int = 1 << 20
     allowed_origins: tuple[str, ...] = ()
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # none: the gateway is open to anyone who reaches it
+    client_secret_ttl: int = 600  # seconds: default and longest lifetime of a client secret
+    client_secret_url: str | None = None  # where the chat page gets a client secret
+    handshake_timeout: float = 5.0  # seconds from TCP connect to a whole HTTP request
+    max_handshakes: int = 1024  # connections still in their handshake; beyond, the oldest goes
     max_parallel_per_session: int = 4
     stall_timeout: float = 30.0
     instructions: str | None = None  # None: the engine's default (a small model needs one)

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import http
-from collections.abc import Callable
 from pathlib import Path
 
 import orjson
-from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
-from websockets.http11 import Request, Response
+from websockets.http11 import Response
 
 STATIC_DIR = Path(__file__).parent / "static"
 _CONTENT_TYPES = {
@@ -63,50 +60,3 @@ def static_response(path: str) -> Response | None:
     if content_type is None or not file.is_file():
         return None
     return response(200, file.read_bytes(), content_type, _PAGE_HEADERS)
-
-
-# -- HEAD ------------------------------------------------------------------------
-
-ProcessRequest = Callable[[ServerConnection, Request], Response | None]
-
-
-class HeadAwareConnection(ServerConnection):
-    """A connection that lets HEAD requests through (uptime probes, ``curl -I``).
-
-    websockets parses GET requests only and drops anything else without a word. Here the
-    request line's ``HEAD`` becomes ``GET`` before websockets reads it, and ``head`` tells
-    :func:`answer_head` to send that GET's status and headers without its body.
-    """
-
-    head = False
-    _start: bytes | None = b""  # the request's first bytes until its method is known
-
-    def data_received(self, data: bytes) -> None:
-        if self._start is not None:
-            data = self._start + data
-            if b" " not in data and len(data) < 8:  # the method may still be arriving
-                self._start = data
-                return
-            self._start = None
-            if data.startswith(b"HEAD "):
-                self.head = True
-                data = b"GET " + data[5:]
-        super().data_received(data)
-
-
-def answer_head(process_request: ProcessRequest) -> ProcessRequest:
-    """``process_request`` that answers a HEAD like its GET, minus the body; never an upgrade."""
-
-    def process(connection: ServerConnection, request: Request) -> Response | None:
-        head = isinstance(connection, HeadAwareConnection) and connection.head
-        if not head:
-            return process_request(connection, request)
-        if "Upgrade" in request.headers:
-            del request.headers["Upgrade"]  # HEAD cannot open a WebSocket
-        response = process_request(connection, request) or text_response(
-            405, "HEAD is answered for the page and the HTTP routes only."
-        )
-        # Content-Length stays that of the GET body, as HTTP wants for HEAD.
-        return dataclasses.replace(response, body=b"")
-
-    return process

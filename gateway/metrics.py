@@ -173,6 +173,12 @@ class Metrics:
             "WebSocket handshakes refused, by HTTP status.",
             ["status"],
         )
+        self.handshakes_dropped = self._counter(
+            "gateway_handshakes_dropped_total",
+            "Connections dropped before sending a whole request: too many waiting "
+            "(--max-handshakes, the oldest goes) or shutdown.",
+            ["reason"],
+        )
         self.ttft = self._histogram(
             "gateway_time_to_first_token_seconds",
             "From response.create admitted to the first delta.",

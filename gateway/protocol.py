@@ -9,7 +9,7 @@ so every rule of the wire format is testable with strings alone.
 from __future__ import annotations
 
 import enum
-import itertools
+import logging
 import math
 import secrets
 from collections.abc import Callable, Mapping
@@ -19,6 +19,8 @@ from typing import Any, Literal, TypeAlias
 import orjson
 
 from gateway.engines.base import Role, Usage
+
+log = logging.getLogger(__name__)
 
 JSON: TypeAlias = dict[str, Any]
 
@@ -30,13 +32,14 @@ MAX_ID_CHARS = 64
 # Ids
 
 
-_counter = itertools.count(1)
-_process_tag = secrets.token_hex(3)
+ID_RANDOM_BYTES = 10  # 80 bits: no client guesses the id of an item it did not make
+# Event ids come from the session's outbox: its random tag and the event's sequence number.
 
 
 def new_id(prefix: str) -> str:
-    """A process-unique id such as ``event_3f2a1c_17``: cheap, and never reused."""
-    return f"{prefix}_{_process_tag}_{next(_counter):x}"
+    """An id no client can predict, such as ``item_9c1e...``: for sessions, conversations,
+    items and responses, whose ids a client may also choose (items) or must not guess."""
+    return f"{prefix}_{secrets.token_hex(ID_RANDOM_BYTES)}"
 
 
 # ---------------------------------------------------------------------------
@@ -337,6 +340,7 @@ def _session_update(r: _Reader) -> SessionUpdate:
 
 
 _ROLE_PART = {"user": "input_text", "system": "input_text", "assistant": "output_text"}
+_ROLE_NAMES = tuple(_ROLE_PART)
 _ITEM_FIELDS = frozenset({"id", "type", "role", "content", "object", "status"})
 
 
@@ -346,7 +350,7 @@ def _item(r: _Reader) -> ItemSpec:
     if item_type != "message":
         raise r.fail("type", "Only items of type 'message' are supported.")
     role = r.required("role")
-    if role not in _ROLE_PART:
+    if role not in _ROLE_NAMES:  # a tuple: an unhashable role (a list) is no TypeError
         raise r.fail("role", "'role' must be one of 'user', 'system', 'assistant'.")
     content = r.required("content")
     if not isinstance(content, list) or not content:
@@ -497,7 +501,18 @@ def decode(frame: str | bytes) -> ClientEvent:
     reader = _Reader(obj, "", event_id)
     if event_type == "session.update":
         reader.only(frozenset({"type", "event_id", "session"}))
-    return decoder(reader)
+    try:
+        return decoder(reader)
+    except ProtocolError:
+        raise
+    except Exception:  # a validator's bug must cost one event, not the connection
+        log.exception("failed to decode a %s event", event_type)
+        raise ProtocolError(
+            "invalid_event",
+            "The gateway could not read this event.",
+            event_id=event_id,
+            error_type="server_error",
+        ) from None
 
 
 # ---------------------------------------------------------------------------

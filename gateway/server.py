@@ -12,21 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import socket
 import time
 from collections.abc import Sequence
 
+import orjson
 from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 from websockets.protocol import State
 from websockets.typing import Subprotocol
 
-from gateway import http, protocol
+from gateway import auth, http, protocol
 from gateway.config import GatewayConfig
 from gateway.engines.base import Engine, EngineError
+from gateway.handshake import HandshakeConnection, Pending, PlainRequest
 from gateway.metrics import Metrics
 from gateway.scheduler import Scheduler
 from sessions.outbox import Outbox
@@ -35,9 +37,16 @@ from sessions.session import Session, SessionConfig, SessionLimits
 log = logging.getLogger(__name__)
 
 REALTIME_PATHS = ("/v1/realtime", "/v1/realtime/")
+CLIENT_SECRETS_PATHS = ("/v1/realtime/client_secrets", "/v1/realtime/client_secrets/")
+PAGE_CONFIG_PATH = "/page-config.json"
 KEY_SUBPROTOCOL = "openai-insecure-api-key."
+# Headers that carry credentials: each at most once, and ASCII (a key is ASCII, and a
+# browser sends an Origin in its ASCII serialization).
+_SINGLE_HEADERS = ("Origin", "Authorization")
+_ASCII_HEADERS = ("Origin", "Authorization", "Sec-WebSocket-Protocol")
 CLOSE_TIMEOUT = 2.0
 KERNEL_SEND_BUFFER = 64 << 10  # per connection (Linux doubles it for bookkeeping)
+LISTEN_BACKLOG = 1024  # the kernel caps it at net.core.somaxconn
 
 
 class Gateway:
@@ -61,6 +70,10 @@ class Gateway:
         self._stall_task: asyncio.Task[None] | None = None
         self._wires: set[SocketWire] = set()  # attached to a session's outbox
         self._limits = SessionLimits(max_parallel_out_of_band=config.max_parallel_per_session)
+        self.credentials = auth.Credentials(
+            config.api_keys, max_secret_ttl=config.client_secret_ttl
+        )
+        self.pending = Pending(config.max_handshakes, on_drop=self._handshake_dropped)
         self._session_defaults = self._describe_sessions()
         self.started_at = time.time()
         # Set when the engine fails for good (Engine._fail); the CLI then stops and exits.
@@ -75,13 +88,17 @@ class Gateway:
             self._handle,
             self.config.host,
             self.config.port,
-            process_request=http.answer_head(self._process_request),
+            process_request=self._process_request,
             select_subprotocol=_select_subprotocol,
             max_size=self.config.max_message_bytes,
             compression=None,  # small JSON frames: deflate costs more CPU than it saves
+            open_timeout=self.config.handshake_timeout,
             close_timeout=CLOSE_TIMEOUT,
+            create_connection=HandshakeConnection.bound(self.pending, self._plain_request),
             reuse_port=self.config.reuse_port or None,
-            create_connection=http.HeadAwareConnection,
+            # asyncio's default (100) overflows in a burst of connects: the kernel then
+            # drops their handshakes' last ACK and each waits for a SYN-ACK resend (1 s+).
+            backlog=LISTEN_BACKLOG,
         )
         loop = asyncio.get_running_loop()
         self._engine_task = loop.create_task(self._start_engine())
@@ -139,6 +156,9 @@ class Gateway:
         self._stopping = True
         self.scheduler.drain()  # nothing new starts while the sessions wind down
         server.close(close_connections=False)
+        # A connection that has sent no request yet would hold wait_closed() until its
+        # handshake timeout: nothing it could still ask for will be served.
+        self.pending.close()
         for session in list(self.sessions):
             session.close("server_shutdown", 1001, "server shutting down")
         grace = self.config.shutdown_grace
@@ -177,8 +197,16 @@ class Gateway:
         }
 
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        try:
+            return self._route(request)
+        except Exception:
+            # Logged here: websockets would log it only at DEBUG (see __main__).
+            log.exception("failed to answer GET %s", request.path)
+            return http.text_response(500, "The gateway failed to answer; its log says why.")
+
+    def _route(self, request: Request) -> Response | None:
         path = request.path.partition("?")[0]
-        upgrade = "websocket" in request.headers.get("Upgrade", "").lower()
+        upgrade = any("websocket" in v.lower() for v in request.headers.get_all("Upgrade"))
         if path in REALTIME_PATHS:
             if not upgrade:
                 return http.text_response(
@@ -186,7 +214,7 @@ class Gateway:
                     "This is the Realtime WebSocket endpoint: connect with a WebSocket client.",
                     {"Upgrade": "websocket"},
                 )
-            refusal = self._refuse_handshake(request)
+            refusal = self._refuse_handshake(request.headers)
             if refusal is not None:
                 self.metrics.connections_refused.labels(status=str(refusal.status_code)).inc()
             return refusal
@@ -200,21 +228,29 @@ class Gateway:
                 return http.response(
                     200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8"
                 )
+            if path == PAGE_CONFIG_PATH:
+                return http.json_response(200, {"client_secret_url": self.config.client_secret_url})
+            if path in CLIENT_SECRETS_PATHS:
+                return _api_error(405, "Mint a client secret with POST.", "method_not_allowed")
             page = http.static_response(path)
             if page is not None:
                 return page
         return http.text_response(404, f"Not found: {path}. The WebSocket is at /v1/realtime.")
 
-    def _refuse_handshake(self, request: Request) -> Response | None:
-        origin = request.headers.get("Origin")
+    def _refuse_handshake(self, headers: Headers) -> Response | None:
+        malformed = _malformed_credentials(headers)
+        if malformed is not None:
+            return http.text_response(400, malformed)
+        origin = headers.get("Origin")
         allowed = self.config.allowed_origins
         if allowed and origin is not None and origin not in allowed:
             return http.text_response(403, f"Origin {origin} is not allowed.")
-        if self.config.api_key is not None and not self._authorized(request):
+        if self.credentials.required and not self._authorized(headers):
             return http.text_response(
                 401,
-                "Missing or wrong API key: send 'Authorization: Bearer KEY' or the "
-                "subprotocol 'openai-insecure-api-key.KEY'.",
+                "Missing, wrong or expired credential: send 'Authorization: Bearer KEY' or the "
+                "subprotocol 'openai-insecure-api-key.KEY', where KEY is an API key or a "
+                "client secret (ek_...) that has not expired.",
                 {"WWW-Authenticate": "Bearer"},
             )
         limit = self.config.max_sessions
@@ -226,20 +262,71 @@ class Gateway:
             )
         return None
 
-    def _authorized(self, request: Request) -> bool:
-        key = self.config.api_key
-        assert key is not None
-        offered: list[str] = []
-        auth = request.headers.get("Authorization", "")
-        if auth.lower().startswith("bearer "):
-            offered.append(auth[7:].strip())
-        for header in request.headers.get_all("Sec-WebSocket-Protocol"):
+    def _authorized(self, headers: Headers) -> bool:
+        """Does the Bearer header or a key subprotocol hold a key or a live client secret?"""
+        offered = [_bearer(headers)]
+        for header in headers.get_all("Sec-WebSocket-Protocol"):
             offered += [
                 p.strip()[len(KEY_SUBPROTOCOL) :]
                 for p in header.split(",")
                 if p.strip().startswith(KEY_SUBPROTOCOL)
             ]
-        return any(hmac.compare_digest(o.encode(), key.encode()) for o in offered)
+        return any(self.credentials.admits(o) for o in offered if o)
+
+    def _handshake_dropped(self, reason: str) -> None:
+        self.metrics.handshakes_dropped.labels(reason=reason).inc()
+
+    # -- plain HTTP: requests that are not a GET (gateway/handshake.py) -----------
+
+    def _plain_request(self, request: PlainRequest) -> Response:
+        path = request.path.partition("?")[0]
+        if request.method == "HEAD":  # what a GET would answer, without the body
+            headers = Headers(request.headers)
+            if "Upgrade" in headers:
+                del headers["Upgrade"]  # a HEAD never opens a WebSocket
+            get = self._route(Request(request.path, headers))
+            return get or http.text_response(404, "Not found.")
+        if path in CLIENT_SECRETS_PATHS:
+            if request.method != "POST":
+                return _api_error(405, "Mint a client secret with POST.", "method_not_allowed")
+            return self._mint_client_secret(request)
+        return http.text_response(
+            405, f"{request.method} is not served here.", {"Allow": "GET, HEAD"}
+        )
+
+    def _mint_client_secret(self, request: PlainRequest) -> Response:
+        """``POST /v1/realtime/client_secrets``: the hosted Realtime API's shape."""
+        malformed = _malformed_credentials(request.headers)
+        if malformed is not None:
+            return _api_error(400, malformed, "invalid_header")
+        origin = request.headers.get("Origin")
+        allowed = self.config.allowed_origins
+        if allowed and origin is not None and origin not in allowed:
+            return _api_error(403, f"Origin {origin} is not allowed.", "origin_not_allowed")
+        offered = _bearer(request.headers)
+        api_key = self.credentials.is_api_key(offered)
+        if self.credentials.required and api_key is None:
+            message = (
+                "A client secret cannot mint client secrets: use an API key."
+                if offered.startswith(auth.SECRET_PREFIX)
+                else "Missing or wrong API key: send 'Authorization: Bearer KEY'."
+            )
+            return _api_error(401, message, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        try:
+            ttl = auth.parse_secret_request(request.body)
+        except auth.SecretRequestError as err:
+            return _api_error(400, err.message, err.code, param=err.param)
+        secret = self.credentials.mint(api_key, ttl)
+        defaults = self._session_defaults
+        session = {
+            "object": "realtime.session",
+            "type": "realtime",
+            "model": defaults.model,
+            "instructions": defaults.instructions,
+            "output_modalities": ["text"],
+        }
+        body = {"value": secret.value, "expires_at": secret.expires_at, "session": session}
+        return http.json_response(200, body)
 
     # -- WebSocket ---------------------------------------------------------------
 
@@ -436,6 +523,37 @@ async def _close(
             await ws.close(code, reason)
     except TimeoutError:
         ws.transport.abort()
+
+
+def _malformed_credentials(headers: Headers) -> str | None:
+    """Why the credential headers cannot be read (sent twice, not ASCII), or None."""
+    for name in _SINGLE_HEADERS:
+        if len(headers.get_all(name)) > 1:
+            return f"Send the {name} header once."
+    for name in _ASCII_HEADERS:
+        if not all(value.isascii() for value in headers.get_all(name)):
+            return f"The {name} header must be ASCII."
+    return None
+
+
+def _bearer(headers: Headers) -> str:
+    """The token of ``Authorization: Bearer TOKEN`` ("" if there is none)."""
+    scheme, _, token = headers.get("Authorization", "").strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def _api_error(
+    status: int,
+    message: str,
+    code: str,
+    extra: dict[str, str] | None = None,
+    *,
+    param: str | None = None,
+) -> Response:
+    """An error in the OpenAI REST API's shape, which the SDK turns into its exceptions."""
+    error_type = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": error_type, "code": code, "param": param}}
+    return http.response(status, orjson.dumps(body), "application/json", extra)
 
 
 def _select_subprotocol(

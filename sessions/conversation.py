@@ -21,6 +21,10 @@ class Item:
         return message_item(self.id, self.role, self.text, self.status)
 
 
+class DuplicateItemId(KeyError):
+    """An item with this id is already in the conversation (whoever made either id)."""
+
+
 class Conversation:
     """Items in order, addressable by id; ``chars`` is the text they hold, for limits."""
 
@@ -42,9 +46,13 @@ class Conversation:
         return self._items[-1].id if self._items else None
 
     def insert(self, item: Item, after: str | None = None) -> None:
-        """Append, or insert after item ``after`` (``"root"``: first). Ids must be new."""
+        """Append, or insert after item ``after`` (``"root"``: first).
+
+        Raises :class:`DuplicateItemId` if the id is taken, and ``KeyError`` if ``after``
+        is missing; either way the conversation is unchanged.
+        """
         if item.id in self._by_id:
-            raise KeyError(item.id)
+            raise DuplicateItemId(item.id)
         if after is None:
             self._items.append(item)
         elif after == "root":

@@ -254,7 +254,7 @@ class Session:
         if previous not in (None, "root") and previous not in self.conversation:
             raise self._not_found(previous, "previous_item_id", event.event_id)
         self._check_room(event.event_id, len(spec.text))
-        item = Item(spec.id or p.new_id("item"), spec.role, spec.text)
+        item = Item(spec.id or self._free_item_id(), spec.role, spec.text)
         before = self.conversation.last_id() if previous is None else previous
         self.conversation.insert(item, previous)
         prev = None if before == "root" else before
@@ -323,7 +323,14 @@ class Session:
         if not params.out_of_band:
             self._check_room(event.event_id)
         response = self._new_response(params)
+        if not params.out_of_band:
+            # Into the conversation before the engine gets it: whatever refuses the
+            # response must do so before it starts (one response.create, one outcome).
+            response.previous_item_id = self.conversation.last_id()
+            self.conversation.insert(Item(response.item_id, "assistant", "", "in_progress"))
         if not self.scheduler.submit(response.job):
+            if not params.out_of_band:
+                self.conversation.delete(response.item_id)
             raise p.ProtocolError(
                 "overloaded",
                 "The gateway is at capacity (every engine slot and queue place is taken); "
@@ -336,8 +343,6 @@ class Session:
         self._responses[response.job] = response
         if not params.out_of_band:
             self._in_conversation = response
-            response.previous_item_id = self.conversation.last_id()
-            self.conversation.insert(Item(response.item_id, "assistant", "", "in_progress"))
         self._put_response_opening(response)
 
     def _out_of_band_count(self) -> int:
@@ -372,8 +377,15 @@ class Session:
         )
         job = Job(request, session_key=self.id, sink=self)
         return _Response(
-            response_id, p.new_id("item"), job, params.out_of_band, params.metadata, max_tokens
+            response_id, self._free_item_id(), job, params.out_of_band, params.metadata, max_tokens
         )
+
+    def _free_item_id(self) -> str:
+        """A new server-made item id; checked, since clients choose item ids too."""
+        item_id = p.new_id("item")
+        while item_id in self.conversation:
+            item_id = p.new_id("item")
+        return item_id
 
     def _response_json(
         self,

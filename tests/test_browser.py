@@ -24,10 +24,11 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from typing import Any
 
+import httpx
 import pytest
 
 try:
-    from playwright.async_api import Browser, Locator, Page, async_playwright, expect
+    from playwright.async_api import Browser, Locator, Page, Route, async_playwright, expect
 except ImportError:  # a test dependency; CI must have it, a bare checkout may not
     if os.environ.get("CI") == "true":
         raise
@@ -235,7 +236,7 @@ async def test_page_reconnects_after_the_gateway_restarts(browser: Browser) -> N
 
 async def test_page_asks_for_the_api_key_and_keeps_it_in_the_tab(browser: Browser) -> None:
     async with (
-        running_gateway(SimEngine(step_ms=5, response_tokens=8), api_key="s3cret") as gw,
+        running_gateway(SimEngine(step_ms=5, response_tokens=8), api_keys=("s3cret",)) as gw,
         chat_page(browser, gw.http_url) as page,
     ):
         await expect(page.get_by_test_id("error")).to_contain_text("API key")
@@ -397,3 +398,48 @@ async def test_the_bundled_model_says_paris_at_the_pages_first_settings(browser:
         await expect(status(page, 0)).to_have_attribute("data-status", "completed")
         await expect(answer(page, 0)).to_contain_text("Paris")
         assert session_temperature(gw) == 0.0
+
+
+async def test_page_uses_a_client_secret_from_the_apps_backend(browser: Browser) -> None:
+    """With --client-secret-url the page never holds the key: it POSTs to the app's backend
+    (here a route that mints with the key, as a backend would) and presents the secret."""
+    minted: list[str] = []
+    async with running_gateway(
+        SimEngine(step_ms=5, response_tokens=8),
+        api_keys=("s3cret",),
+        client_secret_url="/app/realtime-secret",
+    ) as gw:
+
+        async def backend(route: Route) -> None:
+            async with httpx.AsyncClient() as http:
+                answer = await http.post(
+                    f"{gw.http_url}/v1/realtime/client_secrets",
+                    headers={"Authorization": "Bearer s3cret"},
+                    json={"expires_after": {"anchor": "created_at", "seconds": 60}},
+                )
+            minted.append(answer.json()["value"])
+            await route.fulfill(
+                status=answer.status_code, content_type="application/json", body=answer.text
+            )
+
+        context = await browser.new_context()
+        await context.route("**/app/realtime-secret", backend)
+        page = await context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        try:
+            await page.goto(gw.http_url + "/")
+            await wait_connected(page)
+            await send(page, "Hello with a secret.")
+            await expect(status(page, 0)).to_have_attribute("data-status", "completed")
+            assert len(minted) == 1 and minted[0].startswith("ek_")
+            assert await page.evaluate("sessionStorage.getItem('gateway.apiKey')") is None
+            # A new socket (a new server session) reuses the secret while it lives.
+            await page.get_by_test_id("new-conversation").click()
+            await wait_connected(page)
+            await send(page, "Again.")
+            await expect(status(page, 0)).to_have_attribute("data-status", "completed")
+            assert len(minted) == 1
+        finally:
+            await context.close()
+        assert not errors, f"JavaScript errors on the page: {errors}"

@@ -387,7 +387,7 @@ async def test_a_silent_gateway_times_out() -> None:
 
 
 async def test_wrong_key_and_no_gateway_are_told_apart() -> None:
-    async with running_gateway(SimEngine(step_ms=1), api_key="sesame") as gw:
+    async with running_gateway(SimEngine(step_ms=1), api_keys=("sesame",)) as gw:
         with pytest.raises(gc.HandshakeRefused) as caught:
             await gc.connect(gw.ws_url, api_key="wrong")
         assert caught.value.status == 401

@@ -260,7 +260,7 @@ async def test_origin_key_and_session_limits() -> None:
     async with running_gateway(
         SimEngine(step_ms=0),
         allowed_origins=("https://chat.example",),
-        api_key="sekret",
+        api_keys=("sekret",),
         max_sessions=1,
     ) as gw:
         with pytest.raises(InvalidStatus) as refused:

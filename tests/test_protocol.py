@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -237,3 +238,12 @@ def test_the_session_object_the_server_sends_can_be_sent_back() -> None:
     assert event.patch.instructions == "unset"
     error = err(json.dumps({"type": "session.update", "session": {"tools": [{"name": "f"}]}}))
     assert (error.code, error.param) == ("unsupported_tools", "session.tools")
+
+
+@pytest.mark.parametrize("role", [[], {}, ["user"]])
+def test_an_unhashable_role_is_a_protocol_error(role: Any) -> None:
+    """Found by bench/adversarial.py: it raised TypeError, which closed the connection."""
+    item = {"type": "message", "role": role, "content": [{"type": "input_text", "text": "x"}]}
+    with pytest.raises(p.ProtocolError) as refused:
+        p.decode(json.dumps({"type": "conversation.item.create", "item": item}))
+    assert refused.value.param == "item.role"

@@ -28,7 +28,7 @@ def user(text: str) -> dict[str, Any]:
 
 
 async def test_sdk_multi_turn_and_cancel() -> None:
-    async with running_gateway(SimEngine(step_ms=5, response_tokens=24), api_key="k") as gw:
+    async with running_gateway(SimEngine(step_ms=5, response_tokens=24), api_keys=("k",)) as gw:
         client = AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key="k")
         async with client.realtime.connect(model="gpt-realtime") as conn:
             created = await conn.recv()

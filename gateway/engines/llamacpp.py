@@ -432,6 +432,10 @@ class LlamaCppEngine(Engine):
         params.n_ctx = self.ctx * self.slots  # llama.cpp splits n_ctx evenly among slots
         params.kv_unified = False
         params.cache_prompt = True
+        # No host-RAM prompt cache (llama.cpp's default keeps up to 8 GiB of slot states,
+        # and with sessions coming and going it grows round after round): each
+        # conversation keeps its slot, whose own KV cache serves the prefix.
+        params.cache_ram_mib = 0
         params.n_gpu_layers = 0
         # Small steps: the progress report after each is where a cancel is read.
         params.n_batch = self.prefill_batch

@@ -48,6 +48,35 @@ const state = {
   lastSettings: null, // JSON of the session settings last sent, to send only changes
 };
 
+// ---------------------------------------------------------------- credential
+
+const SECRET_MARGIN_MS = 30_000; // fetch a new client secret when the cached one is this close
+const credential = { url: undefined, secret: null }; // url: from /page-config.json, null if none
+
+/**
+ * What the next handshake presents. When the gateway runs with --client-secret-url, a short-lived
+ * client secret ({value, expires_at}) from the app's backend at that URL, reused until it nearly
+ * expires; otherwise the API key typed in Settings, if any. Throws when the backend gives none.
+ */
+async function obtainCredential() {
+  if (credential.url === undefined) {
+    try {
+      const response = await fetch("/page-config.json", { cache: "no-store" });
+      credential.url = response.ok ? ((await response.json()).client_secret_url ?? null) : null;
+    } catch {
+      // Unreachable: the socket's attempt reports it, and the next attempt asks again.
+    }
+  }
+  if (!credential.url) return sessionStorage.getItem(KEY_STORAGE);
+  const secret = credential.secret;
+  if (!secret || secret.expires_at * 1000 - Date.now() < SECRET_MARGIN_MS) {
+    const response = await fetch(credential.url, { method: "POST", cache: "no-store" });
+    if (!response.ok) throw new Error(`the client secret endpoint answered ${response.status}`);
+    credential.secret = await response.json();
+  }
+  return credential.secret.value;
+}
+
 // ---------------------------------------------------------------- connection
 
 function socketUrl() {
@@ -55,21 +84,30 @@ function socketUrl() {
   return `${scheme}//${location.host}/v1/realtime`;
 }
 
-function subprotocols() {
-  // Browsers cannot set an Authorization header on a WebSocket; the Realtime API accepts the
-  // key as a subprotocol instead, next to "realtime".
-  const key = sessionStorage.getItem(KEY_STORAGE);
-  return key ? ["realtime", `openai-insecure-api-key.${key}`] : ["realtime"];
-}
+let connectGeneration = 0; // a connect() superseded while it awaited its credential gives up
 
-function connect() {
+async function connect() {
   clearTimeout(state.retryTimer);
   state.retryTimer = null;
+  const generation = ++connectGeneration;
   const label = state.attempt ? `Connecting… (attempt ${state.attempt + 1})` : "Connecting…";
   setConnection("connecting", label);
+  let key;
+  try {
+    key = await obtainCredential();
+  } catch (err) {
+    if (generation !== connectGeneration) return;
+    showError(`Cannot get a credential: ${err.message}`, "connection");
+    scheduleReconnect(false, { code: 1006 });
+    return;
+  }
+  if (generation !== connectGeneration) return;
+  // Browsers cannot set an Authorization header on a WebSocket; the Realtime API accepts the
+  // key (or a client secret) as a subprotocol instead, next to "realtime".
+  const protocols = key ? ["realtime", `openai-insecure-api-key.${key}`] : ["realtime"];
   let ws;
   try {
-    ws = new WebSocket(socketUrl(), subprotocols());
+    ws = new WebSocket(socketUrl(), protocols);
   } catch (err) {
     // A key with characters a subprotocol cannot carry lands here.
     showError(`Cannot open the connection: ${err.message}`, "connection");
@@ -121,6 +159,7 @@ function reconnectNow() {
 }
 
 async function scheduleReconnect(opened, closeEvent) {
+  if (!opened) credential.secret = null; // refused, perhaps expired: the next try gets a new one
   if (opened) state.attempt = 0;
   state.attempt += 1;
   const base = Math.min(RECONNECT_MAX_MS, RECONNECT_MIN_MS * 2 ** (state.attempt - 1));
