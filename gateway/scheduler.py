@@ -27,7 +27,7 @@ from gateway.engines.base import (
     EngineError,
     Finished,
     GenerationRequest,
-    TextDelta,
+    ToolCallDelta,
     Usage,
 )
 from gateway.metrics import Metrics
@@ -53,6 +53,8 @@ class JobSink(Protocol):
     """Where a job's results go (the owning session). Called on the event loop thread."""
 
     def on_delta(self, job: Job, text: str) -> None: ...
+
+    def on_tool_call_delta(self, job: Job, delta: ToolCallDelta) -> None: ...
 
     def on_finish(self, job: Job, outcome: Outcome) -> None: ...
 
@@ -221,10 +223,12 @@ class Scheduler:
         try:
             async for item in stream:
                 if isinstance(item, Finished):
-                    status: Status = "completed" if item.reason == "stop" else "incomplete"
+                    status: Status = "incomplete" if item.reason == "length" else "completed"
                     return Outcome(status, "".join(job.parts), item.usage)
-                if not isinstance(item, TextDelta):
-                    continue  # tool calls: not handled by this scheduler yet
+                if isinstance(item, ToolCallDelta):
+                    job.output_tokens += item.tokens
+                    sink.on_tool_call_delta(job, item)
+                    continue
                 now = time.perf_counter()
                 if job.parts:
                     metrics.inter_token.observe(now - job.last_token_at)
