@@ -54,6 +54,8 @@ from gateway.engines.base import (
     chat_messages,
     fit_to_context,
 )
+from gateway.engines.openai_chat import tools_body
+from gateway.engines.toolparse import SUPPORTED, ToolCallText, detect_format
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -351,16 +353,19 @@ class TrtllmEngine(Engine):
         }
 
     # -- prompts -----------------------------------------------------------------------
-    def render(self, messages: Sequence[Message]) -> str:
-        """The model's own chat template, ending where the assistant's answer begins."""
+    def render(self, messages: Sequence[Message], tools: list[Any] | None = None) -> str:
+        """The model's own chat template, ending where the assistant's answer begins;
+        ``tools`` (OpenAI chat format) are rendered by the template too."""
         prompt: str = self._llm.tokenizer.apply_chat_template(
-            chat_messages(messages), add_generation_prompt=True, tokenize=False
+            chat_messages(messages), tools=tools, add_generation_prompt=True, tokenize=False
         )
         return prompt
 
-    def render_and_count(self, messages: Sequence[Message]) -> tuple[str, int]:
+    def render_and_count(
+        self, messages: Sequence[Message], tools: list[Any] | None = None
+    ) -> tuple[str, int]:
         """The prompt and its length in tokens, from one rendering and one encoding."""
-        prompt = self.render(messages)
+        prompt = self.render(messages, tools)
         # add_special_tokens=False: the template already holds BOS where the model wants it.
         return prompt, len(self._llm.tokenizer.encode(prompt, add_special_tokens=False))
 
@@ -377,7 +382,8 @@ class TrtllmEngine(Engine):
         budget = request.sampling.max_output_tokens
         reserve = min(budget or DEFAULT_ANSWER_RESERVE, self._max_seq_len // 2)
         limit = min(self._max_seq_len - reserve, self._prompt_limit)
-        last = _LastRendering(self.render_and_count)
+        tools = tools_body(request).get("tools")
+        last = _LastRendering(lambda messages: self.render_and_count(messages, tools))
         messages, dropped = fit_to_context(request.messages, last.count, limit)
         if dropped:
             log.info("trtllm: %s dropped %d old turns to fit", request.request_id, dropped)
@@ -404,6 +410,7 @@ class TrtllmEngine(Engine):
     async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
         if self._llm is None:
             raise EngineError("engine_not_ready", "the TensorRT-LLM engine is not loaded")
+        calls = self._tool_call_text(request)
         prompt, prompt_tokens = self._fit(request)
         params = self._sampling_params(request.sampling, prompt_tokens)
         # Called here, inside the coroutine that iterates it: the output binds to this loop.
@@ -420,12 +427,19 @@ class TrtllmEngine(Engine):
                 completion = out.outputs[0]
                 if completion.finish_reason is None:
                     if text := held.feed(completion.text):
-                        yield TextDelta(text)
+                        for event in calls.feed(text) if calls else [TextDelta(text)]:
+                            yield event
                     continue
                 finished = True
-                if text := held.flush(completion.text):
-                    yield TextDelta(text)
-                yield Finished(_finish_reason(completion.finish_reason), _usage(out, completion))
+                reason = _finish_reason(completion.finish_reason)
+                text = held.flush(completion.text)
+                tail = [*calls.feed(text), *calls.finish()] if calls else [TextDelta(text)]
+                for event in tail:
+                    if not isinstance(event, TextDelta) or event.text:
+                        yield event
+                if calls and calls.calls and reason == "stop":
+                    reason = "tool_calls"
+                yield Finished(reason, _usage(out, completion))
                 return
         except asyncio.CancelledError:
             if not live.closed:
@@ -444,6 +458,24 @@ class TrtllmEngine(Engine):
             if not finished:
                 live.abort()
         raise EngineError("engine_error", "TensorRT-LLM ended the stream without a finish reason")
+
+    def _tool_call_text(self, request: GenerationRequest) -> ToolCallText | None:
+        """The parser of the model's calls for a request with tools (None without); a model
+        whose template has no call format this gateway reads cannot take tools."""
+        if not request.tools:
+            return None
+        tokenizer = self._llm.tokenizer
+        template = getattr(tokenizer, "chat_template", None) or getattr(
+            getattr(tokenizer, "tokenizer", None), "chat_template", None
+        )
+        fmt = detect_format(template if isinstance(template, str) else None)
+        if fmt is None:
+            raise EngineError(
+                "tools_unsupported",
+                f"the model {self.settings.model} has no tool-call format this gateway can read "
+                f"in its chat template (supported: {SUPPORTED}); send the request without tools",
+            )
+        return ToolCallText(fmt, request.request_id)
 
 
 CLOSED_MESSAGE = "the TensorRT-LLM engine was closed during the answer"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ class Controls:
     finish_with: str | None = None  # force "timeout" or "cancelled" ...
     finish_after: int = 2  # ... after this many generated tokens
     load_gate: threading.Event | None = None  # LLM() blocks until set: a slow load
+    chat_template: str | None = None  # the tokenizer's Jinja template text (HF attribute)
 
 
 @dataclass
@@ -153,16 +155,28 @@ class StandinTokenizer:
                 self._pieces[t] for t in token_ids if not (skip_special_tokens and t in special)
             )
 
+    @property
+    def chat_template(self) -> str | None:
+        return controls.chat_template
+
     def apply_chat_template(
         self,
-        conversation: Sequence[dict[str, str]],
+        conversation: Sequence[dict[str, Any]],
         add_generation_prompt: bool = False,
         tokenize: bool = True,
+        tools: list[dict[str, Any]] | None = None,
         **_: Any,
     ) -> str | list[int]:
         with stats._cond:
             stats.templates_rendered += 1
-        text = BOS + "".join(f"<|{m['role']}|>\n{m['content']}{EOS}\n" for m in conversation)
+        # Like a template with a tool section: the tools first, as JSON; calls and outputs
+        # as their JSON too.
+        text = BOS + (f"<|tools|>\n{json.dumps(tools)}{EOS}\n" if tools else "")
+        for m in conversation:
+            content = m.get("content") or ""
+            if m.get("tool_calls"):
+                content += json.dumps(m["tool_calls"])
+            text += f"<|{m['role']}|>\n{content}{EOS}\n"
         if add_generation_prompt:
             text += "<|assistant|>\n"
         return self.encode(text, add_special_tokens=False) if tokenize else text
