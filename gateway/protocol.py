@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import re
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Any, Literal, TypeAlias
 
 import orjson
 
-from gateway.engines.base import Role, Usage
+from gateway.engines.base import TOOL_CHOICE_MODES, Role, Tool, ToolChoice, Usage
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,8 @@ JSON: TypeAlias = dict[str, Any]
 MAX_STOP_SEQUENCES = 4
 MAX_METADATA_PAIRS = 16
 MAX_ID_CHARS = 64
+MAX_TOOLS = 128
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 # ---------------------------------------------------------------------------
 # Ids
@@ -91,6 +94,8 @@ class SessionPatch:
     seed: int | Unset | None = UNSET
     stop: tuple[str, ...] | Unset = UNSET
     model: str | Unset = UNSET
+    tools: tuple[Tool, ...] | Unset = UNSET
+    tool_choice: ToolChoice | Unset = UNSET
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +108,28 @@ class ItemSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class FunctionCallSpec:
+    """A ``function_call`` item a client adds (e.g. to restore a history)."""
+
+    id: str | None
+    call_id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionCallOutputSpec:
+    """A ``function_call_output`` item: the result of the call ``call_id``."""
+
+    id: str | None
+    call_id: str
+    output: str
+
+
+AnyItemSpec: TypeAlias = ItemSpec | FunctionCallSpec | FunctionCallOutputSpec
+
+
+@dataclass(frozen=True, slots=True)
 class ResponseParams:
     instructions: str | Unset = UNSET
     max_output_tokens: int | Unset | None = UNSET
@@ -110,9 +137,11 @@ class ResponseParams:
     top_p: float | Unset | None = UNSET
     seed: int | Unset | None = UNSET
     stop: tuple[str, ...] | Unset = UNSET
+    tools: tuple[Tool, ...] | Unset = UNSET
+    tool_choice: ToolChoice | Unset = UNSET
     metadata: dict[str, str] | None = None
     out_of_band: bool = False  # conversation: "none"
-    input: tuple[ItemSpec, ...] | None = None
+    input: tuple[AnyItemSpec, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +153,7 @@ class SessionUpdate:
 @dataclass(frozen=True, slots=True)
 class ItemCreate:
     event_id: str | None
-    item: ItemSpec
+    item: AnyItemSpec
     previous_item_id: str | None = None  # None: append; "root": insert first
 
 
@@ -280,19 +309,37 @@ class _Reader:
 
 _SAMPLING = frozenset({"temperature", "top_p", "seed", "stop"})
 # Fields the SDK may send (or echo back from session.created) that a text-only gateway
-# without tools can accept as long as they ask for nothing it lacks.
-_IGNORED = frozenset({"tracing", "truncation", "include", "prompt", "expires_at"})
+# can accept as long as they ask for nothing it lacks. ``parallel_tool_calls`` is
+# accepted and ignored: how many calls a response holds is the model's choice.
+_IGNORED = frozenset(
+    {"tracing", "truncation", "include", "prompt", "expires_at", "parallel_tool_calls"}
+)
+# Audio settings that agent frameworks send in their default session setup. With text
+# output they configure nothing that happens, so they are accepted and ignored; what
+# would really need audio (audio output, audio input events and parts) is refused.
+_AUDIO_SETTINGS = frozenset(
+    {
+        "audio",
+        "voice",
+        "input_audio_format",
+        "output_audio_format",
+        "turn_detection",
+        "input_audio_transcription",
+        "input_audio_noise_reduction",
+        "speed",
+    }
+)
 _SESSION_FIELDS = frozenset(
     {"type", "model", "instructions", "output_modalities", "max_output_tokens", "object", "id"}
     | {"tools", "tool_choice"}
     | _IGNORED
+    | _AUDIO_SETTINGS
     | _SAMPLING
 )
-_AUDIO_FIELDS = frozenset({"audio", "voice", "input_audio_format", "output_audio_format"})
 
 
 def _sampling(r: _Reader) -> dict[str, Any]:
-    """The sampling extensions shared by ``session`` and ``response``."""
+    """The fields shared by ``session`` and ``response``: sampling, instructions, tools."""
     out: dict[str, Any] = {}
     if r.has("temperature"):
         out["temperature"] = r.number("temperature", 0.0, 2.0)
@@ -309,30 +356,104 @@ def _sampling(r: _Reader) -> dict[str, Any]:
         out["instructions"] = r.string("instructions")
     if r.has("output_modalities"):
         r.modalities("output_modalities")
-    if r.has("tools") and r.obj["tools"] not in (None, []):
+    if r.has("tools"):
+        out["tools"] = _tools(r)
+    if r.has("tool_choice"):
+        out["tool_choice"] = _tool_choice(r)
+    if r.has("parallel_tool_calls") and not isinstance(r.obj["parallel_tool_calls"], bool | None):
         raise r.fail(
-            "tools", "This gateway has no tools: 'tools' must be empty.", "unsupported_tools"
-        )
-    if r.has("tool_choice") and r.obj["tool_choice"] not in (None, "auto", "none"):
-        raise r.fail(
-            "tool_choice", "This gateway has no tools: 'tool_choice' must be 'auto' or 'none'."
+            "parallel_tool_calls",
+            f"'{r.param('parallel_tool_calls')}' must be a boolean.",
+            "invalid_type",
         )
     return out
 
 
-def _refuse_audio(r: _Reader) -> None:
-    for key in _AUDIO_FIELDS & r.obj.keys():
-        raise r.fail(
-            key, "Audio is not supported: this gateway speaks text only.", "unsupported_modality"
+def _audio_settings(r: _Reader) -> None:
+    """Accept the audio settings (text output: nothing to configure) if they are well formed."""
+    value = r.obj.get("audio")
+    if value is not None and not isinstance(value, dict):
+        raise r.fail("audio", f"'{r.param('audio')}' must be an object.", "invalid_type")
+
+
+_TOOL_FIELDS = frozenset({"type", "name", "description", "parameters"})
+
+
+def _tools(r: _Reader) -> tuple[Tool, ...]:
+    """Function tools: ``[{type: "function", name, description?, parameters?}]``."""
+    value = r.obj["tools"]
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise r.fail("tools", f"'{r.param('tools')}' must be a list of tools.", "invalid_type")
+    if len(value) > MAX_TOOLS:
+        raise r.fail("tools", f"'{r.param('tools')}' holds at most {MAX_TOOLS} tools.")
+    tools: list[Tool] = []
+    for index, raw in enumerate(value):
+        t = r.child_at("tools", index, raw)
+        if t.obj.get("type", "function") != "function":
+            raise t.fail(
+                "type",
+                "Only function tools (type 'function') are supported.",
+                "unsupported_tool_type",
+            )
+        t.only(_TOOL_FIELDS)
+        t.required("name")
+        name = t.string("name")
+        if not TOOL_NAME.fullmatch(name):
+            raise t.fail(
+                "name",
+                f"'{t.param('name')}' must be 1 to 64 letters, digits, '_' or '-'.",
+            )
+        if any(tool.name == name for tool in tools):
+            raise t.fail("name", f"Two tools are named '{name}': tool names must be unique.")
+        description = t.optional_string("description") or ""
+        parameters = t.obj.get("parameters")
+        if parameters is None:
+            parameters = {"type": "object", "properties": {}}
+        elif not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            raise t.fail(
+                "parameters",
+                f"'{t.param('parameters')}' must be a JSON Schema object with type 'object'.",
+                "invalid_type" if not isinstance(parameters, dict) else "invalid_value",
+            )
+        tools.append(Tool(name, description, parameters))
+    return tuple(tools)
+
+
+def _tool_choice(r: _Reader) -> ToolChoice:
+    """``auto``, ``none``, ``required``, or ``{type: "function", name}`` (the name, returned)."""
+    value = r.obj["tool_choice"]
+    if value is None:
+        return "auto"
+    if isinstance(value, str):
+        if value not in TOOL_CHOICE_MODES:
+            raise r.fail(
+                "tool_choice",
+                f"'{r.param('tool_choice')}' must be 'auto', 'none', 'required' or "
+                '{"type": "function", "name": ...}.',
+            )
+        return value
+    c = r.child("tool_choice")
+    c.only(frozenset({"type", "name"}))
+    if c.required("type") != "function":
+        raise c.fail(
+            "type", "Only function tools can be chosen (type 'function').", "unsupported_tool_type"
         )
+    c.required("name")
+    name = c.string("name", max_chars=64)
+    if name in TOOL_CHOICE_MODES:
+        # The engines take the chosen name in the same field as the three modes.
+        raise c.fail("name", f"A function named '{name}' cannot be chosen by name.")
+    return name
 
 
 def _session_update(r: _Reader) -> SessionUpdate:
     s = r.child("session") if r.has("session") else _Reader({}, "session", r.event_id)
-    _refuse_audio(s)
     s.only(_SESSION_FIELDS)
     if s.has("type") and s.obj["type"] != "realtime":
         raise s.fail("type", "Only session type 'realtime' is supported.")
+    _audio_settings(s)
     fields = _sampling(s)
     if s.has("model"):
         fields["model"] = s.string("model", max_chars=256)
@@ -342,13 +463,19 @@ def _session_update(r: _Reader) -> SessionUpdate:
 _ROLE_PART = {"user": "input_text", "system": "input_text", "assistant": "output_text"}
 _ROLE_NAMES = tuple(_ROLE_PART)
 _ITEM_FIELDS = frozenset({"id", "type", "role", "content", "object", "status"})
+_CALL_FIELDS = frozenset({"id", "type", "object", "status", "call_id", "name", "arguments"})
+_OUTPUT_FIELDS = frozenset({"id", "type", "object", "status", "call_id", "output"})
 
 
-def _item(r: _Reader) -> ItemSpec:
-    r.only(_ITEM_FIELDS)
+def _item(r: _Reader) -> AnyItemSpec:
     item_type = r.required("type")
+    if item_type == "function_call":
+        return _function_call(r)
+    if item_type == "function_call_output":
+        return _function_call_output(r)
     if item_type != "message":
-        raise r.fail("type", "Only items of type 'message' are supported.")
+        raise r.fail("type", "'type' must be 'message', 'function_call' or 'function_call_output'.")
+    r.only(_ITEM_FIELDS)
     role = r.required("role")
     if role not in _ROLE_NAMES:  # a tuple: an unhashable role (a list) is no TypeError
         raise r.fail("role", "'role' must be one of 'user', 'system', 'assistant'.")
@@ -362,14 +489,44 @@ def _item(r: _Reader) -> ItemSpec:
             raise r.fail(
                 f"content[{index}]", "Each content part must be an object.", "invalid_type"
             )
-        p.only(frozenset({"type", "text"}))
         part_type = p.required("type")
         if part_type not in (_ROLE_PART[role], "text"):
             code = "unsupported_modality" if "audio" in str(part_type) else "invalid_value"
             raise p.fail("type", f"A {role} message part must be '{_ROLE_PART[role]}'.", code)
+        p.only(frozenset({"type", "text"}))
         p.required("text")
         texts.append(p.string("text"))
     return ItemSpec(r.optional_string("id", max_chars=MAX_ID_CHARS), role, "".join(texts))
+
+
+def _call_id(r: _Reader) -> str:
+    r.required("call_id")
+    call_id = r.string("call_id", max_chars=MAX_ID_CHARS)
+    if not call_id:
+        raise r.fail("call_id", f"'{r.param('call_id')}' must not be empty.")
+    return call_id
+
+
+def _function_call(r: _Reader) -> FunctionCallSpec:
+    r.only(_CALL_FIELDS)
+    call_id = _call_id(r)
+    r.required("name")
+    name = r.string("name")
+    if not TOOL_NAME.fullmatch(name):
+        raise r.fail("name", f"'{r.param('name')}' must be 1 to 64 letters, digits, '_' or '-'.")
+    r.required("arguments")
+    arguments = r.string("arguments")
+    return FunctionCallSpec(
+        r.optional_string("id", max_chars=MAX_ID_CHARS), call_id, name, arguments
+    )
+
+
+def _function_call_output(r: _Reader) -> FunctionCallOutputSpec:
+    r.only(_OUTPUT_FIELDS)
+    call_id = _call_id(r)
+    r.required("output")
+    output = r.string("output")
+    return FunctionCallOutputSpec(r.optional_string("id", max_chars=MAX_ID_CHARS), call_id, output)
 
 
 def _item_create(r: _Reader) -> ItemCreate:
@@ -385,9 +542,20 @@ def _item_id_event(r: _Reader) -> str:
     return r.string("item_id", max_chars=MAX_ID_CHARS)
 
 
+def _item_truncate(r: _Reader) -> ClientEvent:
+    raise ProtocolError(
+        "unsupported_modality",
+        "conversation.item.truncate cuts the audio of an item; this gateway speaks text only, "
+        "so there is no audio to truncate (delete the item, or add a shorter one, instead).",
+        param="type",
+        event_id=r.event_id,
+    )
+
+
 _RESPONSE_FIELDS = frozenset(
     {"instructions", "max_output_tokens", "metadata", "conversation", "input", "output_modalities"}
-    | {"tools", "tool_choice", "prompt"}
+    | {"tools", "tool_choice", "prompt", "parallel_tool_calls"}
+    | {"audio", "voice", "output_audio_format"}
     | _SAMPLING
 )
 
@@ -414,8 +582,8 @@ def _response_create(r: _Reader) -> ResponseCreate:
     if not r.has("response") or r.obj["response"] is None:
         return ResponseCreate(r.event_id)
     p = r.child("response")
-    _refuse_audio(p)
     p.only(_RESPONSE_FIELDS)
+    _audio_settings(p)
     fields = _sampling(p)
     metadata = _metadata(p) if p.has("metadata") else None
     out_of_band = False
@@ -423,7 +591,7 @@ def _response_create(r: _Reader) -> ResponseCreate:
         if p.obj["conversation"] not in ("auto", "none"):
             raise p.fail("conversation", "'conversation' must be 'auto' or 'none'.")
         out_of_band = p.obj["conversation"] == "none"
-    items: tuple[ItemSpec, ...] | None = None
+    items: tuple[AnyItemSpec, ...] | None = None
     if p.has("input"):
         raw = p.obj["input"]
         if not isinstance(raw, list):
@@ -445,6 +613,7 @@ _DECODERS: dict[str, Callable[[_Reader], ClientEvent]] = {
     "conversation.item.create": _item_create,
     "conversation.item.delete": lambda r: ItemDelete(r.event_id, _item_id_event(r)),
     "conversation.item.retrieve": lambda r: ItemRetrieve(r.event_id, _item_id_event(r)),
+    "conversation.item.truncate": _item_truncate,
     "response.create": _response_create,
     "response.cancel": _response_cancel,
 }
@@ -552,6 +721,47 @@ def message_item(item_id: str, role: Role, text: str, status: str = "completed")
         "role": role,
         "content": [{"type": part_type, "text": text}],
     }
+
+
+def function_call_item(
+    item_id: str, call_id: str, name: str, arguments: str, status: str = "completed"
+) -> JSON:
+    return {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "function_call",
+        "status": status,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+    }
+
+
+def function_call_output_item(item_id: str, call_id: str, output: str) -> JSON:
+    return {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "function_call_output",
+        "status": "completed",
+        "call_id": call_id,
+        "output": output,
+    }
+
+
+def tools_json(tools: tuple[Tool, ...]) -> list[JSON]:
+    return [
+        {
+            "type": "function",
+            "name": t.name,
+            "description": t.description,
+            "parameters": dict(t.parameters),
+        }
+        for t in tools
+    ]
+
+
+def tool_choice_json(choice: ToolChoice) -> str | JSON:
+    return choice if choice in TOOL_CHOICE_MODES else {"type": "function", "name": choice}
 
 
 def usage_json(usage: Usage | None) -> JSON | None:

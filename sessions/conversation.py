@@ -1,23 +1,53 @@
-"""The ordered items of one conversation; changed only by its session actor."""
+"""The ordered items of one conversation; changed only by its session.
+
+Items are messages, the function calls a model made and the outputs a client
+returned for them. :meth:`Conversation.to_messages` turns them into the chat
+turns engines take: calls join the assistant turn they follow, outputs become
+``tool`` messages.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Literal
 
-from gateway.engines.base import Message, Role
-from gateway.protocol import JSON, message_item
+from gateway.engines.base import Message, Role, ToolCall
+from gateway.protocol import JSON, function_call_item, function_call_output_item, message_item
 
 ItemStatus = str  # "completed" | "incomplete" | "in_progress"
+ItemKind = Literal["message", "function_call", "function_call_output"]
 
 
 @dataclass(slots=True)
 class Item:
+    """One conversation item. ``text`` is a message's text, a call's arguments (JSON text)
+    or a call's output; ``call_id`` and ``name`` belong to calls and outputs."""
+
     id: str
     role: Role
     text: str
     status: ItemStatus = "completed"
+    kind: ItemKind = "message"
+    call_id: str | None = None
+    name: str | None = None
+
+    @classmethod
+    def function_call(
+        cls, item_id: str, call_id: str, name: str, arguments: str, status: ItemStatus
+    ) -> Item:
+        return cls(item_id, "assistant", arguments, status, "function_call", call_id, name)
+
+    @classmethod
+    def function_call_output(cls, item_id: str, call_id: str, output: str) -> Item:
+        return cls(item_id, "tool", output, "completed", "function_call_output", call_id)
 
     def to_json(self) -> JSON:
+        if self.kind == "function_call":
+            return function_call_item(
+                self.id, self.call_id or "", self.name or "", self.text, self.status
+            )
+        if self.kind == "function_call_output":
+            return function_call_output_item(self.id, self.call_id or "", self.text)
         return message_item(self.id, self.role, self.text, self.status)
 
 
@@ -44,6 +74,10 @@ class Conversation:
 
     def last_id(self) -> str | None:
         return self._items[-1].id if self._items else None
+
+    def has_call(self, call_id: str) -> bool:
+        """Whether a function call with this ``call_id`` is in the conversation."""
+        return any(i.kind == "function_call" and i.call_id == call_id for i in self._items)
 
     def insert(self, item: Item, after: str | None = None) -> None:
         """Append, or insert after item ``after`` (``"root"``: first).
@@ -76,7 +110,35 @@ class Conversation:
         return item
 
     def to_messages(self) -> list[Message]:
-        """What the engine sees: every finished item with text, in order."""
-        return [
-            Message(i.role, i.text) for i in self._items if i.text and i.status != "in_progress"
-        ]
+        """What the engine sees: every finished item with content, in order."""
+        return items_to_messages(self._items)
+
+
+def items_to_messages(items: list[Item]) -> list[Message]:
+    """Chat turns for ``items``, in order.
+
+    Completed calls join the assistant turn right before them (a model's text and
+    the calls it then made are one turn); an output becomes a ``tool`` message.
+    A call cut short (its arguments are not valid JSON) and the outputs of calls
+    that are not there are left out: chat templates and servers refuse them.
+    """
+    calls = {i.call_id for i in items if i.kind == "function_call" and i.status == "completed"}
+    messages: list[Message] = []
+    for item in items:
+        if item.status == "in_progress":
+            continue
+        if item.kind == "function_call":
+            if item.status != "completed":
+                continue
+            call = ToolCall(item.call_id or "", item.name or "", item.text)
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant":
+                messages[-1] = replace(last, tool_calls=(*last.tool_calls, call))
+            else:
+                messages.append(Message("assistant", "", (call,)))
+        elif item.kind == "function_call_output":
+            if item.call_id in calls:
+                messages.append(Message("tool", item.text, tool_call_id=item.call_id))
+        elif item.text:
+            messages.append(Message(item.role, item.text))
+    return messages

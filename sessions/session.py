@@ -2,27 +2,38 @@
 
 Its inbox receives decoded client events (or the protocol errors found while
 decoding them) and notices from the scheduler; it answers by putting server
-events into its :class:`~sessions.outbox.Outbox`. Text deltas are the one thing
-that bypasses the inbox: the scheduler's fan-out task puts them straight into
-the outbox (they change no session state), which keeps a token's trip short.
-Ordering still holds because ``response.created`` and friends are put in the
-outbox in the same handler that submits the job, before the engine can report
-anything for it, and ``response.done`` is put only after the scheduler reports
-that the job has ended, after which it delivers nothing more for it.
+events into its :class:`~sessions.outbox.Outbox`. Text and tool-call deltas are
+the one thing that bypasses the inbox: the scheduler calls the sink methods
+synchronously on the event loop thread and they put events straight into the
+outbox, which keeps a token's trip short. They may open an output item (a
+function call, or the message of a response with tools, which opens with its
+first text) and insert it into the conversation; no handler of the actor is
+running then (handlers never await), so the conversation still has one writer
+at a time. Ordering holds because ``response.created`` and friends are put in
+the outbox before the job's first step can run, and ``response.done`` is put
+only after the scheduler reports that the job's stream has ended.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway import protocol as p
-from gateway.engines.base import GenerationRequest, Message, SamplingParams, ToolCallDelta
+from gateway.engines.base import (
+    TOOL_CHOICE_MODES,
+    GenerationRequest,
+    Message,
+    SamplingParams,
+    Tool,
+    ToolCallDelta,
+    ToolChoice,
+)
 from gateway.metrics import Metrics
 from gateway.scheduler import CancelReason, Job, Outcome, Scheduler
-from sessions.conversation import Conversation, Item
+from sessions.conversation import Conversation, Item, items_to_messages
 from sessions.outbox import Outbox
 
 log = logging.getLogger(__name__)
@@ -47,18 +58,38 @@ class SessionConfig:
     top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = "auto"
+
+
+@dataclass(eq=False, slots=True)
+class _Call:
+    """A function call the model is making: one ``function_call`` output item."""
+
+    item_id: str
+    call_id: str
+    name: str
+    output_index: int
+    previous_item_id: str | None
+    parts: list[str] = field(default_factory=list)
 
 
 @dataclass(eq=False, slots=True)
 class _Response:
     id: str
-    item_id: str
+    item_id: str  # its message item (opened at creation, or with the first text)
     job: Job
     out_of_band: bool
     metadata: dict[str, str] | None
     max_output_tokens: int | None
     cancelling: bool = False
-    previous_item_id: str | None = None  # where its item sits in the conversation
+    previous_item_id: str | None = None  # where its message item sits in the conversation
+    # Output index of the message item; None until it opens. A response that may call
+    # tools opens it with its first text, so a response of calls alone has no message.
+    text_index: int | None = None
+    calls: dict[int, _Call] = field(default_factory=dict)  # by the engine's call index
+    outputs: int = 0  # output items opened so far
+    last_item_id: str | None = None  # its newest output item, where the next one goes
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,10 +166,28 @@ class Session:
 
     def on_delta(self, job: Job, text: str) -> None:
         response = self._responses[job]
+        if response.text_index != 0:  # a response with tools: see _text_of_tool_response
+            self._text_of_tool_response(response, text)
+            return
         self.outbox.put_delta(response.id, response.item_id, text)
 
     def on_tool_call_delta(self, job: Job, delta: ToolCallDelta) -> None:
-        pass  # function calls reach the protocol with issue 13's session changes
+        response = self._responses[job]
+        call = response.calls.get(delta.index)
+        if call is None:
+            call = self._open_call(response, delta)
+        if delta.arguments:
+            call.parts.append(delta.arguments)
+            self.outbox.put(
+                p.event(
+                    "response.function_call_arguments.delta",
+                    response_id=response.id,
+                    item_id=call.item_id,
+                    output_index=call.output_index,
+                    call_id=call.call_id,
+                    delta=delta.arguments,
+                )
+            )
 
     def on_finish(self, job: Job, outcome: Outcome) -> None:
         self._inbox.put_nowait(_JobDone(job, outcome))
@@ -233,13 +282,15 @@ class Session:
             "top_p": c.top_p,
             "seed": c.seed,
             "stop": list(c.stop),
-            "tools": [],
-            "tool_choice": "auto",
+            "tools": p.tools_json(c.tools),
+            "tool_choice": p.tool_choice_json(c.tool_choice),
         }
 
     def _session_update(self, event: p.SessionUpdate) -> None:
         changes = {k: getattr(event.patch, k) for k in event.patch.__slots__}
-        self.config = replace(self.config, **{k: v for k, v in changes.items() if v != p.UNSET})
+        config = replace(self.config, **{k: v for k, v in changes.items() if v != p.UNSET})
+        _check_named_choice(config.tools, config.tool_choice, "session", event.event_id)
+        self.config = config
         self.outbox.put(p.event("session.updated", session=self._session_json()))
 
     def _item_create(self, event: p.ItemCreate) -> None:
@@ -253,8 +304,12 @@ class Session:
             )
         if previous not in (None, "root") and previous not in self.conversation:
             raise self._not_found(previous, "previous_item_id", event.event_id)
-        self._check_room(event.event_id, len(spec.text))
-        item = Item(spec.id or self._free_item_id(), spec.role, spec.text)
+        if isinstance(spec, p.FunctionCallOutputSpec) and not self.conversation.has_call(
+            spec.call_id
+        ):
+            raise _call_not_found(spec.call_id, "item.call_id", event.event_id)
+        item = _item_from_spec(spec, spec.id or self._free_item_id())
+        self._check_room(event.event_id, len(item.text))
         before = self.conversation.last_id() if previous is None else previous
         self.conversation.insert(item, previous)
         prev = None if before == "root" else before
@@ -322,22 +377,19 @@ class Session:
             )
         if not params.out_of_band:
             self._check_room(event.event_id)
-        response = self._new_response(params)
-        if not params.out_of_band:
-            # Into the conversation before the engine gets it: whatever refuses the
-            # response must do so before it starts (one response.create, one outcome).
-            response.previous_item_id = self.conversation.last_id()
-            self.conversation.insert(Item(response.item_id, "assistant", "", "in_progress"))
+        response = self._new_response(params, event.event_id)
         if not self.scheduler.submit(response.job):
-            if not params.out_of_band:
-                self.conversation.delete(response.item_id)
-            raise p.ProtocolError(
-                "overloaded",
-                "The gateway is at capacity (every engine slot and queue place is taken); "
-                "retry shortly.",
-                event_id=event.event_id,
-                error_type="server_error",
+            self._error(
+                p.ProtocolError(
+                    "overloaded",
+                    "The gateway is at capacity (every engine slot and queue place is taken); "
+                    "retry shortly.",
+                    event_id=event.event_id,
+                    error_type="server_error",
+                )
             )
+            self._put_rate_limits()
+            return
         # The job may already be "running", but its task gets its first step only
         # after this handler returns, so these events precede every delta.
         self._responses[response.job] = response
@@ -348,7 +400,7 @@ class Session:
     def _out_of_band_count(self) -> int:
         return sum(r.out_of_band for r in self._responses.values())
 
-    def _new_response(self, params: p.ResponseParams) -> _Response:
+    def _new_response(self, params: p.ResponseParams, event_id: str | None) -> _Response:
         c = self.config
 
         def pick(value: Any, default: Any) -> Any:
@@ -363,8 +415,11 @@ class Session:
             seed=pick(params.seed, c.seed),
             stop=pick(params.stop, c.stop),
         )
+        tools: tuple[Tool, ...] = pick(params.tools, c.tools)
+        tool_choice: ToolChoice = pick(params.tool_choice, c.tool_choice)
+        _check_tool_choice(tools, tool_choice, params, event_id)
         if params.input is not None:
-            history = [Message(i.role, i.text) for i in params.input]
+            history = items_to_messages(_input_items(params.input, event_id))
         else:
             history = self.conversation.to_messages()
         system = [Message("system", instructions)] if instructions else []
@@ -374,6 +429,8 @@ class Session:
             messages=tuple(system + history),
             sampling=sampling,
             affinity_key=None if params.out_of_band else self.conversation_id,
+            tools=tools if tool_choice != "none" else (),
+            tool_choice=tool_choice,
         )
         job = Job(request, session_key=self.id, sink=self)
         return _Response(
@@ -409,23 +466,102 @@ class Session:
         }
 
     def _put_response_opening(self, r: _Response) -> None:
-        put, ev = self.outbox.put, p.event
-        put(ev("response.created", response=self._response_json(r, "in_progress")))
-        item = p.message_item(r.item_id, "assistant", "", "in_progress")
-        item["content"] = []
-        put(ev("response.output_item.added", response_id=r.id, output_index=0, item=item))
+        self.outbox.put(p.event("response.created", response=self._response_json(r, "in_progress")))
+        self._put_rate_limits()
+        if not r.job.request.tools:
+            # Without tools the answer is text: its message item opens at once, so even
+            # an answer cut before its first token leaves an (incomplete) item.
+            self._open_text(r)
+
+    def _put_rate_limits(self) -> None:
+        """``rate_limits.updated``: the scheduler's capacity now (docs/protocol.md)."""
+        s = self.scheduler
+        limit = s.max_running + s.max_queued
+        limits: list[p.JSON] = [
+            {"name": "requests", "limit": limit, "remaining": max(0, limit - s.running - s.queued)}
+        ]
+        window = s.engine.context_window
+        if window is not None:
+            limits.append({"name": "tokens", "limit": window})
+        self.outbox.put(p.event("rate_limits.updated", rate_limits=limits))
+
+    def _next_output(self, r: _Response, item: Item) -> tuple[int, str | None]:
+        """Give ``r``'s next output item its index and, in the conversation, its place
+        (after the response's previous item, else last). Returns (index, previous id)."""
+        index, r.outputs = r.outputs, r.outputs + 1
+        previous: str | None = None
         if not r.out_of_band:
-            put(ev("conversation.item.added", previous_item_id=r.previous_item_id, item=item))
+            anchor = r.last_item_id
+            previous = anchor if anchor in self.conversation else self.conversation.last_id()
+            self.conversation.insert(item, previous)
+        r.last_item_id = item.id
+        return index, previous
+
+    def _open_text(self, r: _Response) -> None:
+        item = Item(r.item_id, "assistant", "", "in_progress")
+        r.text_index, r.previous_item_id = self._next_output(r, item)
+        put, ev = self.outbox.put, p.event
+        item_json = p.message_item(r.item_id, "assistant", "", "in_progress")
+        item_json["content"] = []
+        put(
+            ev(
+                "response.output_item.added",
+                response_id=r.id,
+                output_index=r.text_index,
+                item=item_json,
+            )
+        )
+        if not r.out_of_band:
+            put(ev("conversation.item.added", previous_item_id=r.previous_item_id, item=item_json))
         put(
             ev(
                 "response.content_part.added",
                 response_id=r.id,
                 item_id=r.item_id,
-                output_index=0,
+                output_index=r.text_index,
                 content_index=0,
                 part={"type": "text", "text": ""},
             )
         )
+
+    def _text_of_tool_response(self, r: _Response, text: str) -> None:
+        """A text delta of a response with tools: its message opens with the first one.
+        When a call came first the message is not output 0, which the outbox's merged
+        deltas assume, so its deltas go out one event each (a rare order)."""
+        if r.text_index is None:
+            self._open_text(r)
+        if r.text_index == 0:
+            self.outbox.put_delta(r.id, r.item_id, text)
+            return
+        self.outbox.put(
+            p.event(
+                "response.output_text.delta",
+                response_id=r.id,
+                item_id=r.item_id,
+                output_index=r.text_index,
+                content_index=0,
+                delta=text,
+            )
+        )
+
+    def _open_call(self, r: _Response, delta: ToolCallDelta) -> _Call:
+        call_id = delta.call_id or p.new_id("call")
+        name = delta.name or ""
+        item = Item.function_call(self._free_item_id(), call_id, name, "", "in_progress")
+        index, previous = self._next_output(r, item)
+        call = _Call(item.id, call_id, name, index, previous)
+        r.calls[delta.index] = call
+        item_json = item.to_json()
+        self.outbox.put(
+            p.event(
+                "response.output_item.added", response_id=r.id, output_index=index, item=item_json
+            )
+        )
+        if not r.out_of_band:
+            self.outbox.put(
+                p.event("conversation.item.added", previous_item_id=previous, item=item_json)
+            )
+        return call
 
     def _response_cancel(self, event: p.ResponseCancel) -> None:
         target = self._cancel_target(event.response_id)
@@ -454,33 +590,91 @@ class Session:
 
     def _job_done(self, job: Job, outcome: Outcome) -> None:
         r = self._responses.pop(job)
-        text = outcome.text
-        # Every ending but a natural one leaves the item incomplete.
+        # Every ending but a natural one leaves the items incomplete.
         item_status = "completed" if outcome.status == "completed" else "incomplete"
         if not r.out_of_band:
             self._in_conversation = None
-            self.conversation.finish(r.item_id, text, item_status)
         if outcome.error is not None:
             error = outcome.error
             self._error(p.ProtocolError(error.code, error.message, error_type=error.error_type))
-        put, ev = self.outbox.put, p.event
-        ids = {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
-        put(ev("response.output_text.done", **ids, text=text))
-        put(ev("response.content_part.done", **ids, part={"type": "text", "text": text}))
-        item_json = p.message_item(r.item_id, "assistant", text, item_status)
-        put(ev("response.output_item.done", response_id=r.id, output_index=0, item=item_json))
-        if not r.out_of_band:
-            previous = r.previous_item_id
-            put(ev("conversation.item.done", previous_item_id=previous, item=item_json))
+        # Each output item's closing events, in output order.
+        closings: list[tuple[int, p.JSON]] = []
+        if r.text_index is not None:
+            closings.append((r.text_index, self._close_text(r, outcome.text, item_status)))
+        for call in r.calls.values():
+            closings.append((call.output_index, self._close_call(r, call, item_status)))
+        closings.sort(key=lambda closing: closing[0])
         details = self._status_details(outcome)
         usage = p.usage_json(outcome.usage)
-        body = self._response_json(r, outcome.status, details, [item_json], usage)
-        put(ev("response.done", response=body))
+        output = [item for _, item in closings]
+        body = self._response_json(r, outcome.status, details, output, usage)
+        self.outbox.put(p.event("response.done", response=body))
+
+    def _close_text(self, r: _Response, text: str, status: str) -> p.JSON:
+        assert r.text_index is not None
+        put, ev = self.outbox.put, p.event
+        if not r.out_of_band:
+            self.conversation.finish(r.item_id, text, status)
+        ids = {
+            "response_id": r.id,
+            "item_id": r.item_id,
+            "output_index": r.text_index,
+            "content_index": 0,
+        }
+        put(ev("response.output_text.done", **ids, text=text))
+        put(ev("response.content_part.done", **ids, part={"type": "text", "text": text}))
+        item_json = p.message_item(r.item_id, "assistant", text, status)
+        put(
+            ev(
+                "response.output_item.done",
+                response_id=r.id,
+                output_index=r.text_index,
+                item=item_json,
+            )
+        )
+        if not r.out_of_band:
+            put(ev("conversation.item.done", previous_item_id=r.previous_item_id, item=item_json))
+        return item_json
+
+    def _close_call(self, r: _Response, call: _Call, status: str) -> p.JSON:
+        put, ev = self.outbox.put, p.event
+        arguments = "".join(call.parts)
+        if not r.out_of_band:
+            self.conversation.finish(call.item_id, arguments, status)
+        put(
+            ev(
+                "response.function_call_arguments.done",
+                response_id=r.id,
+                item_id=call.item_id,
+                output_index=call.output_index,
+                call_id=call.call_id,
+                name=call.name,
+                arguments=arguments,
+            )
+        )
+        item_json = p.function_call_item(call.item_id, call.call_id, call.name, arguments, status)
+        put(
+            ev(
+                "response.output_item.done",
+                response_id=r.id,
+                output_index=call.output_index,
+                item=item_json,
+            )
+        )
+        if not r.out_of_band:
+            put(
+                ev("conversation.item.done", previous_item_id=call.previous_item_id, item=item_json)
+            )
+        return item_json
 
     @staticmethod
     def _status_details(outcome: Outcome) -> dict[str, Any]:
         if outcome.status == "cancelled":
-            return {"type": "cancelled", "reason": outcome.cancel_reason}
+            # The official types know one cancel reason, "client_cancelled"; the gateway's
+            # others (a dropped socket, shutdown) go in a field of its own.
+            if outcome.cancel_reason == "client_cancelled":
+                return {"type": "cancelled", "reason": "client_cancelled"}
+            return {"type": "cancelled", "gateway_reason": outcome.cancel_reason}
         if outcome.status == "failed":
             error = outcome.error
             return {
@@ -492,3 +686,62 @@ class Session:
                 },
             }
         return _STATUS_REASON[outcome.status]
+
+
+def _item_from_spec(spec: p.AnyItemSpec, item_id: str) -> Item:
+    if isinstance(spec, p.FunctionCallSpec):
+        return Item.function_call(item_id, spec.call_id, spec.name, spec.arguments, "completed")
+    if isinstance(spec, p.FunctionCallOutputSpec):
+        return Item.function_call_output(item_id, spec.call_id, spec.output)
+    return Item(item_id, spec.role, spec.text)
+
+
+def _input_items(specs: tuple[p.AnyItemSpec, ...], event_id: str | None) -> list[Item]:
+    """A response's own ``input``: an output must answer a call in that same list."""
+    items = [_item_from_spec(spec, spec.id or "") for spec in specs]
+    calls = {i.call_id for i in items if i.kind == "function_call"}
+    for index, item in enumerate(items):
+        if item.kind == "function_call_output" and item.call_id not in calls:
+            raise _call_not_found(item.call_id or "", f"response.input[{index}].call_id", event_id)
+    return items
+
+
+def _call_not_found(call_id: str, param: str, event_id: str | None) -> p.ProtocolError:
+    return p.ProtocolError(
+        "call_not_found",
+        f"No function_call with call_id '{call_id}' to answer: add the call first.",
+        param=param,
+        event_id=event_id,
+    )
+
+
+def _check_named_choice(
+    tools: tuple[Tool, ...], choice: ToolChoice, where: str, event_id: str | None
+) -> None:
+    """A ``tool_choice`` that names a function must name one of the tools."""
+    if choice in TOOL_CHOICE_MODES or any(t.name == choice for t in tools):
+        return
+    raise p.ProtocolError(
+        "invalid_value",
+        f"'{where}.tool_choice' names the function '{choice}', which is not in the tools.",
+        param=f"{where}.tool_choice.name",
+        event_id=event_id,
+    )
+
+
+def _check_tool_choice(
+    tools: tuple[Tool, ...],
+    choice: ToolChoice,
+    params: p.ResponseParams,
+    event_id: str | None,
+) -> None:
+    """The tools and choice a response runs with (its own, else the session's) agree."""
+    where = "response" if params.tool_choice != p.UNSET else "session"
+    _check_named_choice(tools, choice, where, event_id)
+    if choice == "required" and not tools:
+        raise p.ProtocolError(
+            "invalid_value",
+            f"'{where}.tool_choice' is 'required' but there are no tools to call.",
+            param=f"{where}.tool_choice",
+            event_id=event_id,
+        )

@@ -34,6 +34,9 @@ from gateway.engines.base import (
     SamplingParams,
     StreamEvent,
     TextDelta,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
 )
 from gateway.engines.driver import EngineDriver
 from gateway.engines.llamacpp import LlamaCppEngine, bundled_model_path
@@ -646,3 +649,58 @@ async def test_e2e_a_message_too_big_for_the_window_fails_clearly(gw: RunningGat
     assert turn.response["status_details"]["error"]["code"] == "context_length_exceeded"
     assert error["error"]["code"] == "context_length_exceeded"
     assert "context window" in error["error"]["message"]
+
+
+# --- tools -------------------------------------------------------------------------
+
+WEATHER = Tool("get_weather", "The weather in a city.", {"type": "object", "properties": {}})
+
+
+async def test_a_tool_output_reaches_the_bundled_model(driver: EngineDriver) -> None:
+    """SmolLM2-135M's template renders no tools and the model never calls one; llama.cpp
+    takes the tools, the call turn and the tool message, and the answer uses the output."""
+    call = ToolCall("call_1", "get_weather", '{"city": "Paris"}')
+    request = GenerationRequest(
+        "r",
+        (
+            SYSTEM,
+            Message("user", "What is the weather in Paris?"),
+            Message("assistant", "", (call,)),
+            Message("tool", "Sunny, 21 C", tool_call_id="call_1"),
+        ),
+        SamplingParams(max_output_tokens=24, temperature=0.0, seed=7),
+        tools=(WEATHER,),
+    )
+    deltas, done = await collect(driver, request)
+    assert "sunny" in "".join(deltas).lower()
+    assert done.reason in ("stop", "length")
+
+
+async def test_streamed_tool_call_chunks_become_call_deltas(engine: LlamaCppEngine) -> None:
+    """llama.cpp's streamed ``tool_calls`` chunks (a model with a tool-call template sends
+    them; the bundled one does not), fed to the engine's chunk handler."""
+    generation = llamacpp._Generation(ask(FRANCE), slot=0, loop=asyncio.get_running_loop())
+    engine.outputs.bind(asyncio.get_running_loop())
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, n: int = 1) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        return {"choices": [choice], "timings": {"predicted_n": n}}
+
+    first = {"index": 0, "id": "call_x", "type": "function", "function": {"name": "get_weather"}}
+    first["function"]["arguments"] = '{"city":'
+    more = {"index": 0, "function": {"arguments": ' "Paris"}'}}
+    for piece in (
+        chunk({"content": "Let me see."}, n=4),
+        chunk({"tool_calls": [first]}, n=9),
+        chunk({"tool_calls": [more]}, n=12),
+        chunk({}, "tool_calls", n=12),
+    ):
+        assert engine._on_chunk(generation, piece) is False
+    async with asyncio.timeout(5):  # the handed-over events arrive on the loop
+        events = [output for _, output in await engine.outputs.get()]
+    assert events == [
+        TextDelta("Let me see.", 4),
+        ToolCallDelta(0, '{"city":', call_id="call_x", name="get_weather", tokens=5),
+        ToolCallDelta(0, ' "Paris"}', tokens=3),
+    ]
+    assert generation.finish_reason == "tool_calls"

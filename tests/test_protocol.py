@@ -90,9 +90,10 @@ def test_out_of_band_response_with_its_own_input() -> None:
         ('{"type": "no.such.event"}', "unknown_event_type", "type"),
         ('{"type": "input_audio_buffer.append"}', "unsupported_modality", "type"),
         (
-            '{"type": "session.update", "session": {"voice": "x"}}',
+            '{"type": "conversation.item.create", "item": {"type": "message", "role": "user",'
+            ' "content": [{"type": "input_audio", "audio": "AAAA"}]}}',
             "unsupported_modality",
-            "session.voice",
+            "item.content[0].type",
         ),
         (
             '{"type": "session.update", "session": {"output_modalities": ["audio"]}}',
@@ -236,8 +237,9 @@ def test_the_session_object_the_server_sends_can_be_sent_back() -> None:
     event = p.decode(json.dumps({"type": "session.update", "session": echoed}))
     assert isinstance(event, p.SessionUpdate)
     assert event.patch.instructions == "unset"
-    error = err(json.dumps({"type": "session.update", "session": {"tools": [{"name": "f"}]}}))
-    assert (error.code, error.param) == ("unsupported_tools", "session.tools")
+    mcp = {"type": "mcp", "server_label": "x"}
+    error = err(json.dumps({"type": "session.update", "session": {"tools": [mcp]}}))
+    assert (error.code, error.param) == ("unsupported_tool_type", "session.tools[0].type")
 
 
 @pytest.mark.parametrize("role", [[], {}, ["user"]])

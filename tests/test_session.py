@@ -78,6 +78,7 @@ async def test_a_response_emits_the_realtime_sequence_and_is_stored(h: Harness) 
     n = types.count("response.output_text.delta")
     assert types == [
         "response.created",
+        "rate_limits.updated",
         "response.output_item.added",
         "conversation.item.added",  # the assistant item joins the conversation...
         "response.content_part.added",
@@ -88,7 +89,7 @@ async def test_a_response_emits_the_realtime_sequence_and_is_stored(h: Harness) 
         "conversation.item.done",  # ...and is finished there before the response is done
         "response.done",
     ]
-    assert events[2]["previous_item_id"] == added["item"]["id"]
+    assert events[3]["previous_item_id"] == added["item"]["id"]
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     text_done = events[types.index("response.output_text.done")]["text"]
     assert deltas == text_done == events[-2]["item"]["content"][0]["text"]

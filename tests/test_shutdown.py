@@ -70,7 +70,7 @@ async def test_sigterm_ends_responses_and_exits_zero() -> None:
         done = [e for e in events if e["type"] == "response.done"]
         assert len(done) == 1
         assert done[0]["response"]["status"] == "cancelled"
-        assert done[0]["response"]["status_details"]["reason"] == "server_shutdown"
+        assert done[0]["response"]["status_details"]["gateway_reason"] == "server_shutdown"
         assert events[-1]["type"] == "response.done"  # nothing after it
         async with asyncio.timeout(10):
             assert await proc.wait() == 0

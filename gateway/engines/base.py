@@ -69,6 +69,8 @@ class Tool:
 ToolChoice = Literal["auto", "none", "required"] | str
 """``auto``, ``none``, ``required``, or the name of the one function the model must call."""
 
+TOOL_CHOICE_MODES = ("auto", "none", "required")
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -259,6 +261,12 @@ class Engine(abc.ABC):
         """Extra facts for logs and ``/healthz`` (model name, context size...)."""
         return {}
 
+    @property
+    def context_window(self) -> int | None:
+        """Tokens one conversation's prompt and answer may hold, where the engine knows it
+        (reported to clients in ``rate_limits.updated``)."""
+        return None
+
 
 class OutputChannel:
     """Where an engine puts what its steps produced; the scheduler's one task drains it.
@@ -415,9 +423,32 @@ class StreamingEngine(Engine):
             put(rid, terminal)
 
 
-def chat_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
-    """The messages as OpenAI-style chat dicts, the shape chat templates and servers take."""
-    return [{"role": m.role, "content": m.text} for m in messages]
+def chat_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """The messages as OpenAI-style chat dicts, the shape chat templates and servers take.
+
+    An assistant turn with calls carries ``tool_calls`` (``content`` null when it has no
+    text); a ``tool`` turn carries the ``tool_call_id`` it answers.
+    """
+    return [_chat_message(m) for m in messages]
+
+
+def _chat_message(m: Message) -> dict[str, Any]:
+    if m.role == "tool":
+        return {"role": "tool", "tool_call_id": m.tool_call_id or "", "content": m.text}
+    if not m.tool_calls:
+        return {"role": m.role, "content": m.text}
+    return {
+        "role": m.role,
+        "content": m.text or None,
+        "tool_calls": [
+            {
+                "id": call.call_id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            for call in m.tool_calls
+        ],
+    }
 
 
 def fit_to_context(
@@ -440,6 +471,12 @@ def fit_to_context(
                 f"the conversation needs {count_tokens(kept)} tokens but only {limit} fit "
                 "in the context window after reserving the answer budget"
             )
-        del kept[droppable[0]]
-        dropped += 1
+        # A turn with calls leaves with the outputs that answer them: an output
+        # without its call is a prompt that chat templates refuse.
+        first = droppable[0]
+        end = first + 1
+        while end < len(kept) - 1 and kept[end].role == "tool":
+            end += 1
+        del kept[first:end]
+        dropped += end - first
     return tuple(kept), dropped

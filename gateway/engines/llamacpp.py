@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -57,10 +57,12 @@ from gateway.engines.base import (
     PromptTokens,
     SamplingParams,
     TextDelta,
+    ToolCallDelta,
     Usage,
     chat_messages,
     fit_to_context,
 )
+from gateway.engines.openai_chat import tool_call_deltas, tools_body
 
 log = logging.getLogger(__name__)
 
@@ -286,9 +288,11 @@ class _LoopbackApi:
             raise EngineError("engine_error", f"llama.cpp {path} failed: {data}")
         return data
 
-    def count_tokens(self, messages: Sequence[Message]) -> int:
-        """Tokens of the prompt llama.cpp builds for ``messages`` (chat template included)."""
-        prompt = self.post("/apply-template", {"messages": chat_messages(messages)})["prompt"]
+    def count_tokens(self, messages: Sequence[Message], tools: dict[str, Any] | None = None) -> int:
+        """Tokens of the prompt llama.cpp builds for ``messages`` (chat template included,
+        and the tools where the template renders them)."""
+        body = {"messages": chat_messages(messages), **(tools or {})}
+        prompt = self.post("/apply-template", body)["prompt"]
         # The same flags llama.cpp uses when it tokenizes a chat prompt.
         body = {"content": prompt, "add_special": True, "parse_special": True}
         return len(self.post("/tokenize", body)["tokens"])
@@ -403,6 +407,10 @@ class LlamaCppEngine(Engine):
 
     def describe(self) -> dict[str, object]:
         return {"model": self.model_name, "ctx": self.ctx, "slots": self.slots}
+
+    @property
+    def context_window(self) -> int | None:
+        return self.ctx
 
     async def start(self) -> None:
         """Load the model once, on a thread so the event loop keeps serving /healthz."""
@@ -561,7 +569,10 @@ class LlamaCppEngine(Engine):
         assert self._api is not None
         budget = request.sampling.max_output_tokens or self.ctx // DEFAULT_ANSWER_SHARE
         limit = self.ctx - min(budget, self.ctx // 2)
-        messages, dropped = fit_to_context(request.messages, self._api.count_tokens, limit)
+        api, tools = self._api, tools_body(request)
+        messages, dropped = fit_to_context(
+            request.messages, lambda kept: api.count_tokens(kept, tools), limit
+        )
         if dropped:
             log.info(
                 "llamacpp: request %s: dropped the %d oldest turns to fit %d of %d tokens",
@@ -583,6 +594,7 @@ class LlamaCppEngine(Engine):
             "timings_per_token": True,  # a running token count in every chunk
             # A chunk after every prompt batch: during prefill, where a cancel is read.
             "return_progress": True,
+            **tools_body(generation.request),
         }
         optional = {
             "max_tokens": sampling.max_output_tokens,
@@ -601,9 +613,10 @@ class LlamaCppEngine(Engine):
             return True
         choices = chunk.get("choices") or ()
         text = "".join((c.get("delta") or {}).get("content") or "" for c in choices)
+        calls = [call for c in choices for call in tool_call_deltas(c.get("delta") or {})]
         if generation.cancelled.is_set():
             generation.stopped = True
-            if text:
+            if text or calls:
                 with self._lock:
                     self.tokens_after_cancel += 1
             return True
@@ -616,19 +629,30 @@ class LlamaCppEngine(Engine):
                 return not self.outputs.put_threadsafe(generation.request.request_id, prompt)
             return False
         for choice in choices:
-            if choice.get("finish_reason") == "length":
-                generation.finish_reason = "length"
+            if choice.get("finish_reason") in ("length", "tool_calls"):
+                generation.finish_reason = choice["finish_reason"]
         generation.usage = chunk.get("usage") or generation.usage
         generation.timings = chunk.get("timings") or generation.timings
-        if not text:
+        if not text and not calls:
             return False
         # A chunk can stand for several tokens (text held back while it might
-        # become a stop sequence): the running decode count says how many.
+        # become a stop sequence or a tool call): the running decode count says how many.
         decoded = int(generation.timings.get("predicted_n", generation.decoded + 1))
         tokens, generation.decoded = max(1, decoded - generation.decoded), decoded
         # The loop is gone: nobody is listening, stop generating.
-        delta: Output = text if tokens == 1 else TextDelta(text, tokens)
-        return not self.outputs.put_threadsafe(generation.request.request_id, delta)
+        rid, put = generation.request.request_id, self.outputs.put_threadsafe
+        return not all(put(rid, e) for e in chunk_events(text, calls, tokens))
+
+
+def chunk_events(text: str, calls: list[ToolCallDelta], tokens: int) -> list[Output]:
+    """What one streamed chunk hands on: its text (a plain ``str`` for one token), then
+    its call pieces; the chunk's ``tokens`` are counted once, on the first of them."""
+    events: list[Output] = []
+    if text:
+        events.append(text if tokens == 1 else TextDelta(text, tokens))
+    for call in calls:
+        events.append(replace(call, tokens=0 if events else tokens))
+    return events
 
 
 def _usage(generation: _Generation) -> Usage:

@@ -8,6 +8,14 @@ derived from the prompt (with Korean and emoji, so UTF-8 handling is
 exercised), ``max_output_tokens`` and ``stop`` honoured, and an aborted stream
 dropped at the next step boundary. Each step is reported to the scheduler as one
 batch, as a real engine's iteration is. Fault knobs make it fail or stall on demand.
+
+It calls tools by a fixed rule, so that every client can be tested without a
+model (:func:`tool_call_plan`, :func:`tool_output_answer`): a request with tools
+whose last user message names one gets one call of the first tool named, with
+``{"text": <that message>}`` as arguments, streamed a few characters a step;
+``tool_choice`` ``required`` calls the first tool whatever the message says, a
+named function is always called, ``none`` never calls. After a tool's output
+the answer quotes that output verbatim.
 """
 
 from __future__ import annotations
@@ -16,11 +24,12 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import json
 import random
 import re
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gateway.engines.base import (
     Engine,
@@ -31,6 +40,8 @@ from gateway.engines.base import (
     Message,
     PromptTokens,
     StepOutput,
+    Tool,
+    ToolCallDelta,
     Usage,
     fit_to_context,
 )
@@ -73,15 +84,23 @@ _WORDS = (
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
 _MESSAGE_OVERHEAD = 4  # like a chat template's role markers
 _MAX_CATCH_UP = 50  # missed steps run back to back after the event loop was away
+ARGUMENT_PIECE_CHARS = 8  # a call's arguments stream this many characters a step
+TOOL_ANSWER_PREFIX = "The tool returned: "
 
 
 def count_tokens(messages: Sequence[Message]) -> int:
     """Tokens of the rendered conversation: words and symbols plus per-message markers."""
-    return sum(_MESSAGE_OVERHEAD + len(_TOKEN_RE.findall(m.text)) for m in messages) + 2
+    return sum(_MESSAGE_OVERHEAD + len(_TOKEN_RE.findall(_content(m))) for m in messages) + 2
+
+
+def _content(message: Message) -> str:
+    """What a message puts in the prompt: its text, and the calls it made."""
+    calls = "".join(f"{c.name}({c.arguments})" for c in message.tool_calls)
+    return message.text + calls
 
 
 def render(messages: Sequence[Message]) -> str:
-    return "".join(f"<|{m.role}|>{m.text}<|end|>" for m in messages) + "<|assistant|>"
+    return "".join(f"<|{m.role}|>{_content(m)}<|end|>" for m in messages) + "<|assistant|>"
 
 
 def answer_tokens(prompt: str, length: int) -> list[str]:
@@ -93,6 +112,46 @@ def answer_tokens(prompt: str, length: int) -> list[str]:
         tokens[0] = tokens[0].capitalize()
         tokens[-1] += "."
     return tokens
+
+
+def tool_call_plan(request: GenerationRequest) -> tuple[ToolCallDelta, ...]:
+    """The call the sim makes for ``request``, as the deltas it streams; () for a text answer.
+
+    ``auto``: the first tool (in the request's order) whose name the last user message
+    contains, unless the last message is a tool's output (then the model answers it).
+    ``required``: the first tool. A named function: that one. ``none``: no call.
+    """
+    if not request.tools or request.tool_choice == "none":
+        return ()
+    messages = request.messages
+    user_text = next((m.text for m in reversed(messages) if m.role == "user"), "")
+    tool: Tool | None
+    if request.tool_choice == "required":
+        tool = request.tools[0]
+    elif request.tool_choice != "auto":
+        tool = next((t for t in request.tools if t.name == request.tool_choice), None)
+    elif messages and messages[-1].role == "tool":
+        tool = None
+    else:
+        tool = next((t for t in request.tools if t.name in user_text), None)
+    if tool is None:
+        return ()
+    arguments = json.dumps({"text": user_text}, ensure_ascii=False)
+    digest = hashlib.sha256(f"{request.request_id}/{tool.name}".encode()).hexdigest()
+    pieces = [
+        arguments[i : i + ARGUMENT_PIECE_CHARS]
+        for i in range(0, len(arguments), ARGUMENT_PIECE_CHARS)
+    ]
+    first = ToolCallDelta(0, pieces[0], call_id=f"call_{digest[:16]}", name=tool.name)
+    return (first, *(ToolCallDelta(0, piece) for piece in pieces[1:]))
+
+
+def tool_output_answer(messages: Sequence[Message]) -> list[str] | None:
+    """After a tool's output, the answer quotes it verbatim: its tokens, or None."""
+    if not messages or messages[-1].role != "tool":
+        return None
+    output = messages[-1].text
+    return [TOOL_ANSWER_PREFIX, *re.findall(r"\s*\S+|\s+", output)]
 
 
 def _cut_at_stop(tokens: list[str], stop: Sequence[str]) -> list[str]:
@@ -113,7 +172,7 @@ def _cut_at_stop(tokens: list[str], stop: Sequence[str]) -> list[str]:
 @dataclass(eq=False, slots=True)
 class _Stream:
     request_id: str
-    tokens: deque[str]
+    tokens: deque[str | ToolCallDelta]
     finish: FinishReason
     usage_in: int
     generated: int = 0
@@ -174,6 +233,10 @@ class SimEngine(Engine):
     def describe(self) -> dict[str, object]:
         return {"model": "sim", "step_ms": self.step_s * 1000, "max_batch": self.max_batch}
 
+    @property
+    def context_window(self) -> int | None:
+        return self.context_tokens
+
     def submit(self, request: GenerationRequest) -> None:
         try:
             stream = self._open(request)
@@ -194,9 +257,15 @@ class SimEngine(Engine):
         if self.context_tokens is not None:
             answer_room = min(budget or self.response_tokens, self.context_tokens // 2)
             messages, _ = fit_to_context(messages, count_tokens, self.context_tokens - answer_room)
-        tokens = answer_tokens(render(messages), self.response_tokens)
-        tokens = _cut_at_stop(tokens, request.sampling.stop)
         finish: FinishReason = "stop"
+        tokens: list[str | ToolCallDelta]
+        if calls := tool_call_plan(replace(request, messages=tuple(messages))):
+            tokens, finish = list(calls), "tool_calls"
+        else:
+            text = tool_output_answer(messages) or answer_tokens(
+                render(messages), self.response_tokens
+            )
+            tokens = list(_cut_at_stop(text, request.sampling.stop))
         if budget is not None and len(tokens) > budget:
             tokens, finish = tokens[:budget], "length"
         return _Stream(request.request_id, deque(tokens), finish, count_tokens(messages))

@@ -73,6 +73,8 @@ from gateway.engines.base import (
     chat_messages,
     fit_to_context,
 )
+from gateway.engines.openai_chat import tools_body
+from gateway.engines.toolparse import SUPPORTED, ToolCallText, detect_format
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -495,17 +497,19 @@ class TrtllmEngine(StreamingEngine):
         return True
 
     # -- prompts -----------------------------------------------------------------------
-    def render(self, messages: Sequence[Message]) -> str:
-        """The model's own chat template, ending where the assistant's answer begins."""
+    def render(self, messages: Sequence[Message], tools: list[Any] | None = None) -> str:
+        """The model's own chat template, ending where the assistant's answer begins;
+        ``tools`` (OpenAI chat format) are rendered by the template too."""
         prompt: str = self._llm.tokenizer.apply_chat_template(
-            chat_messages(messages), add_generation_prompt=True, tokenize=False
+            chat_messages(messages), tools=tools, add_generation_prompt=True, tokenize=False
         )
         return prompt
 
-    def encode(self, messages: Sequence[Message]) -> list[int]:
+    def encode(self, messages: Sequence[Message], tools: list[Any] | None = None) -> list[int]:
         """The prompt's token ids, from one rendering and one encoding."""
         # add_special_tokens=False: the template already holds BOS where the model wants it.
-        ids: list[int] = self._llm.tokenizer.encode(self.render(messages), add_special_tokens=False)
+        prompt = self.render(messages, tools)
+        ids: list[int] = self._llm.tokenizer.encode(prompt, add_special_tokens=False)
         return ids
 
     def count_tokens(self, messages: Sequence[Message]) -> int:
@@ -522,7 +526,8 @@ class TrtllmEngine(StreamingEngine):
         budget = request.sampling.max_output_tokens
         reserve = min(budget or DEFAULT_ANSWER_RESERVE, limit // 2)
         prompt_budget = min(limit - reserve, self._prompt_limit)
-        last = _LastEncoding(self.encode)
+        tools = tools_body(request).get("tools")
+        last = _LastEncoding(lambda messages: self.encode(messages, tools))
         try:
             messages, dropped = fit_to_context(request.messages, last.count, prompt_budget)
         except EngineError:
@@ -566,10 +571,12 @@ class TrtllmEngine(StreamingEngine):
         yielded = False
         for attempt in (1, 2):
             self._check_usable()
+            calls = self._tool_call_text(request)
             prompt_ids = self._fit(request)
             params = self._sampling_params(request.sampling, len(prompt_ids))
             try:
-                async with contextlib.aclosing(self._generate(request, prompt_ids, params)) as gen:
+                generation = self._generate(request, prompt_ids, params, calls)
+                async with contextlib.aclosing(generation) as gen:
                     async for event in gen:
                         yielded = True
                         yield event
@@ -591,7 +598,11 @@ class TrtllmEngine(StreamingEngine):
             raise EngineError("engine_not_ready", "the TensorRT-LLM engine is not loaded")
 
     async def _generate(
-        self, request: GenerationRequest, prompt_ids: list[int], params: Any
+        self,
+        request: GenerationRequest,
+        prompt_ids: list[int],
+        params: Any,
+        calls: ToolCallText | None,
     ) -> AsyncGenerator[StreamEvent, None]:
         llm = self._llm
         # generate_async would handle a pending fatal error by shutting the executor down
@@ -617,12 +628,19 @@ class TrtllmEngine(StreamingEngine):
                 completion = out.outputs[0]
                 if completion.finish_reason is None:
                     if text := held.feed(completion.text):
-                        yield TextDelta(text)
+                        for event in calls.feed(text) if calls else [TextDelta(text)]:
+                            yield event
                     continue
                 finished = True
-                if text := held.flush(completion.text):
-                    yield TextDelta(text)
-                yield Finished(_finish_reason(completion.finish_reason), _usage(out, completion))
+                finish: FinishReason = _finish_reason(completion.finish_reason)
+                text = held.flush(completion.text)
+                tail = [*calls.feed(text), *calls.finish()] if calls else [TextDelta(text)]
+                for event in tail:
+                    if not isinstance(event, TextDelta) or event.text:
+                        yield event
+                if calls and calls.calls and finish == "stop":
+                    finish = "tool_calls"
+                yield Finished(finish, _usage(out, completion))
                 return
         except asyncio.CancelledError:
             if live.ending is None:
@@ -645,6 +663,24 @@ class TrtllmEngine(StreamingEngine):
             if not finished:
                 live.abort()
         raise EngineError("engine_error", "TensorRT-LLM ended the stream without a finish reason")
+
+    def _tool_call_text(self, request: GenerationRequest) -> ToolCallText | None:
+        """The parser of the model's calls for a request with tools (None without); a model
+        whose template has no call format this gateway reads cannot take tools."""
+        if not request.tools:
+            return None
+        tokenizer = self._llm.tokenizer
+        template = getattr(tokenizer, "chat_template", None) or getattr(
+            getattr(tokenizer, "tokenizer", None), "chat_template", None
+        )
+        fmt = detect_format(template if isinstance(template, str) else None)
+        if fmt is None:
+            raise InvalidRequestError(
+                "tools_unsupported",
+                f"the model {self.settings.model} has no tool-call format this gateway can read "
+                f"in its chat template (supported: {SUPPORTED}); send the request without tools",
+            )
+        return ToolCallText(fmt, request.request_id)
 
     def _request_failed(self, exc: BaseException) -> EngineError:
         """A per-request error from TensorRT-LLM's worker (executor/base_worker.py)."""

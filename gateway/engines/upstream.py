@@ -4,7 +4,9 @@ The gateway keeps what those servers lack (WebSocket sessions, server-side
 conversations, an explicit cancel) and leaves batching, KV caches and GPUs to
 them. Each generation is one streaming ``POST /v1/chat/completions`` on the
 replica the :class:`Router` picks; its SSE chunks become :class:`TextDelta`
-and its finish reason and usage one :class:`Finished`.
+(and :class:`ToolCallDelta` for the ``tool_calls`` of a request with tools, which
+are forwarded as ``tools``/``tool_choice``) and its finish reason and usage one
+:class:`Finished`.
 
 Cancelling closes the HTTP response before its body is read to the end, which
 closes that connection: every one of these servers aborts a generation whose
@@ -50,6 +52,7 @@ from gateway.engines.base import (
     Usage,
     chat_messages,
 )
+from gateway.engines.openai_chat import tool_call_deltas, tools_body
 
 if TYPE_CHECKING:
     import httpx
@@ -307,7 +310,7 @@ class UpstreamEngine(StreamingEngine):
                 # generator (and with it the HTTP response) is closed right now.
                 async with contextlib.aclosing(self._generate(replica, request)) as events:
                     async for event in events:
-                        sent_text = sent_text or isinstance(event, TextDelta)
+                        sent_text = sent_text or not isinstance(event, Finished)
                         yield event
                 return
             except _ReplicaFailed as exc:
@@ -374,6 +377,7 @@ class UpstreamEngine(StreamingEngine):
             "messages": chat_messages(request.messages),
             "stream": True,
             "stream_options": {"include_usage": True},
+            **tools_body(request),
         }
         model = self.model or replica.model
         optional = {
@@ -448,10 +452,14 @@ async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
             raise _chunk_error(chunk["error"], started=deltas > 0)
         usage = _usage(chunk.get("usage")) or usage
         for choice in chunk.get("choices") or ():
-            text = (choice.get("delta") or {}).get("content")
+            delta = choice.get("delta") or {}
+            text = delta.get("content")
             if text:
                 deltas += 1
                 yield TextDelta(text)
+            for call in tool_call_deltas(delta):
+                deltas += call.tokens
+                yield call
             if choice.get("finish_reason"):
                 reason = _finish_reason(choice["finish_reason"])
     if reason is None:
@@ -462,7 +470,7 @@ async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
 FINISH_REASONS: dict[str, FinishReason] = {
     "stop": "stop",
     "length": "length",
-    "tool_calls": "stop",  # the model ended its turn (the gateway sends no tools)
+    "tool_calls": "tool_calls",
     "content_filter": "stop",  # the server ended the answer on purpose
 }
 

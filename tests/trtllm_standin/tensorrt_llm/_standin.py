@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import queue
@@ -62,6 +63,9 @@ class Controls:
     # "any": every conversation renders. "alternating": roles must alternate user/assistant
     # after an optional system message (Llama 2, Mistral). "no_system": no system role (Gemma).
     chat_template: str = "any"
+    # The tokenizer's Jinja template text (HF's ``tokenizer.chat_template``), from which the
+    # adapter tells the model's tool-call format.
+    chat_template_text: str | None = None
 
 
 @dataclass
@@ -213,17 +217,29 @@ class StandinTokenizer:
                 self._pieces[t] for t in token_ids if not (skip_special_tokens and t in special)
             )
 
+    @property
+    def chat_template(self) -> str | None:
+        return controls.chat_template_text
+
     def apply_chat_template(
         self,
-        conversation: Sequence[dict[str, str]],
+        conversation: Sequence[dict[str, Any]],
         add_generation_prompt: bool = False,
         tokenize: bool = True,
+        tools: list[dict[str, Any]] | None = None,
         **_: Any,
     ) -> str | list[int]:
         with stats._cond:
             stats.templates_rendered += 1
         _check_roles([m["role"] for m in conversation], controls.chat_template)
-        text = BOS + "".join(f"<|{m['role']}|>\n{m['content']}{EOS}\n" for m in conversation)
+        # Like a template with a tool section: the tools first, as JSON; calls and outputs
+        # as their JSON too.
+        text = BOS + (f"<|tools|>\n{json.dumps(tools)}{EOS}\n" if tools else "")
+        for m in conversation:
+            content = m.get("content") or ""
+            if m.get("tool_calls"):
+                content += json.dumps(m["tool_calls"])
+            text += f"<|{m['role']}|>\n{content}{EOS}\n"
         if add_generation_prompt:
             text += "<|assistant|>\n"
         return self.encode(text, add_special_tokens=False) if tokenize else text
