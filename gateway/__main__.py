@@ -164,6 +164,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="out-of-band responses per session",
     )
     limits.add_argument(
+        "--generation-timeout",
+        type=_number(float, 0),
+        default=300.0,
+        metavar="SECONDS",
+        help="fail a stalled answer; 0: off",
+    )
+    limits.add_argument(
+        "--resume-window",
+        type=_number(float, 0),
+        default=30.0,
+        metavar="SECONDS",
+        help="keep dropped sessions; 0: off",
+    )
+    limits.add_argument(
+        "--replay-bytes",
+        type=_number(int, 1024),
+        default=256 << 10,
+        metavar="N",
+        help="kept per session for resume (default: 256 KiB)",
+    )
+    limits.add_argument(
+        "--replay-total-bytes",
+        type=_number(int, 1024),
+        default=256 << 20,
+        metavar="N",
+        help="kept for all sessions (default: 256 MiB)",
+    )
+    limits.add_argument(
         "--stall-timeout",
         type=_number(float, 0.01),
         default=30.0,
@@ -242,6 +270,10 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_handshakes=args.max_handshakes,
         max_parallel_per_session=args.max_parallel_per_session,
         stall_timeout=args.stall_timeout,
+        generation_timeout=args.generation_timeout,
+        resume_window=args.resume_window,
+        replay_buffer_bytes=args.replay_bytes,
+        replay_buffer_total_bytes=args.replay_total_bytes,
         coalesce=not args.no_coalesce,
         instructions=args.instructions,
         worker=str(args.worker_index or 0),

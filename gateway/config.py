@@ -21,6 +21,10 @@ class GatewayConfig:
     max_handshakes: int = 1024  # connections still in their handshake; beyond, the oldest goes
     max_parallel_per_session: int = 4
     stall_timeout: float = 30.0
+    generation_timeout: float = 300.0  # seconds without progress before a response fails; 0: off
+    resume_window: float = 30.0  # seconds a dropped session waits for session.resume; 0: off
+    replay_buffer_bytes: int = 256 << 10  # sent events kept per session, for a resume
+    replay_buffer_total_bytes: int = 256 << 20  # ...and for all sessions together
     instructions: str | None = None  # None: the engine's default (a small model needs one)
     coalesce: bool = True
     shutdown_grace: float = 3.0  # seconds to flush response.done before closing sockets

@@ -216,6 +216,18 @@ class Metrics:
             "Frames carrying text deltas (fewer than deltas when coalescing).",
         )
         self.bytes_out = self._counter("gateway_bytes_sent_total", "Payload bytes sent.")
+        self.detached = self._gauge(
+            "gateway_sessions_detached",
+            "Sessions whose connection dropped, kept for --resume-window seconds.",
+        )
+        self.resumes = self._counter(
+            "gateway_session_resumes_total",
+            "session.resume attempts, by outcome (resumed, session_not_found, resume_gap).",
+            ["outcome"],
+        )
+        self.replayed_events = self._counter(
+            "gateway_replayed_events_total", "Events sent again to a resumed session."
+        )
         self.stalled = self._counter(
             "gateway_stalled_connections_total",
             "Connections closed (1008) because the client read nothing for --stall-timeout.",

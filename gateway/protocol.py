@@ -181,8 +181,25 @@ class ResponseCancel:
     response_id: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class SessionResume:
+    """``session.resume``: the first event of a new connection that takes over a session
+    whose connection dropped (a gateway extension; docs/protocol.md, "Resuming")."""
+
+    event_id: str | None
+    session_id: str
+    resume_token: str = field(repr=False)  # a secret: never in a log line
+    last_sequence_number: int = 0
+
+
 ClientEvent: TypeAlias = (
-    SessionUpdate | ItemCreate | ItemDelete | ItemRetrieve | ResponseCreate | ResponseCancel
+    SessionUpdate
+    | ItemCreate
+    | ItemDelete
+    | ItemRetrieve
+    | ResponseCreate
+    | ResponseCancel
+    | SessionResume
 )
 
 
@@ -608,8 +625,25 @@ def _response_cancel(r: _Reader) -> ResponseCancel:
     return ResponseCancel(r.event_id, r.optional_string("response_id", max_chars=MAX_ID_CHARS))
 
 
+def _session_resume(r: _Reader) -> SessionResume:
+    r.only(frozenset({"type", "event_id", "session_id", "resume_token", "last_sequence_number"}))
+    r.required("session_id")
+    r.required("resume_token")
+    r.required("last_sequence_number")
+    last = r.integer("last_sequence_number", 0, 2**53)
+    if last is None:
+        raise r.fail("last_sequence_number", "'last_sequence_number' must be an integer.")
+    return SessionResume(
+        r.event_id,
+        r.string("session_id", max_chars=MAX_ID_CHARS),
+        r.string("resume_token", max_chars=256),
+        last,
+    )
+
+
 _DECODERS: dict[str, Callable[[_Reader], ClientEvent]] = {
     "session.update": _session_update,
+    "session.resume": _session_resume,
     "conversation.item.create": _item_create,
     "conversation.item.delete": lambda r: ItemDelete(r.event_id, _item_id_event(r)),
     "conversation.item.retrieve": lambda r: ItemRetrieve(r.event_id, _item_id_event(r)),

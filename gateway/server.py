@@ -31,7 +31,7 @@ from gateway.engines.base import Engine, EngineError
 from gateway.handshake import HandshakeConnection, Pending, PlainRequest
 from gateway.metrics import Metrics
 from gateway.scheduler import Scheduler
-from sessions.outbox import Outbox
+from sessions.outbox import Outbox, ReplayBudget
 from sessions.session import Session, SessionConfig, SessionLimits
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,13 @@ class Gateway:
             max_running=engine.capacity if config.max_running is None else config.max_running,
             max_queued=config.max_queued,
             metrics=self.metrics,
+            generation_timeout=config.generation_timeout,
         )
-        self.sessions: set[Session] = set()
+        self.sessions: set[Session] = set()  # connected or detached
+        self._sessions_by_id: dict[str, Session] = {}
+        self._session_tasks: set[asyncio.Task[None]] = set()
+        self._detached: set[Session] = set()
+        self._replay_budget = ReplayBudget(config.replay_buffer_total_bytes)
         self._server: Server | None = None
         self._stopping = False
         self._engine_task: asyncio.Task[None] | None = None
@@ -172,6 +177,9 @@ class Gateway:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(grace):
                     await server.wait_closed()
+        # Detached sessions have no connection to wait for: wait for them to end.
+        if self._session_tasks:
+            await asyncio.wait(set(self._session_tasks), timeout=grace)
         await self.scheduler.close()
         if self._stall_task is not None:
             self._stall_task.cancel()
@@ -254,7 +262,7 @@ class Gateway:
                 {"WWW-Authenticate": "Bearer"},
             )
         limit = self.config.max_sessions
-        if limit is not None and len(self.sessions) >= limit:
+        if limit is not None and len(self._wires) >= limit:
             return http.text_response(503, f"Too many sessions (limit {limit}); retry later.")
         if not self.engine.ready:
             return http.text_response(
@@ -335,46 +343,86 @@ class Gateway:
             await _close(ws, 1001, "server shutting down")
             return
         limit = self.config.max_sessions
-        if limit is not None and len(self.sessions) >= limit:
+        if limit is not None and len(self._wires) >= limit:
             # Handshakes that raced past the HTTP check: refuse at the WebSocket level.
             self.metrics.connections_refused.labels(status="1013").inc()
             await _close(ws, 1013, "too many sessions")
             return
-        outbox = Outbox(coalesce=self.config.coalesce)
+        _cap_kernel_send_buffer(ws)
+        wire = SocketWire(ws, self.metrics)
+        self._wires.add(wire)
+        session = self._open_session()
+        session.outbox.attach(wire)
+        try:
+            session = await self._read(ws, wire, session)
+        finally:
+            self._wires.discard(wire)
+            await self._let_go(ws, wire, session)
+
+    def _open_session(self) -> Session:
+        """A new session and the task that runs it, until it ends (which may be long after
+        its first connection: see :meth:`_let_go`)."""
+        c = self.config
+        outbox = Outbox(
+            coalesce=c.coalesce,
+            replay_bytes=c.replay_buffer_bytes if c.resume_window > 0 else 0,
+            replay_budget=self._replay_budget,
+        )
         session = Session(
             self.scheduler,
             outbox,
             config=self._session_defaults,
             limits=self._limits,
             metrics=self.metrics,
+            # The worker that holds a session is in its id: a resume landing on another
+            # worker is relayed there (gateway/relay.py).
+            session_id=protocol.new_id(f"sess_{c.worker}"),
         )
         self.sessions.add(session)
+        self._sessions_by_id[session.id] = session
         self.metrics.sessions.inc()
         self.metrics.sessions_total.inc()
-        actor = asyncio.get_running_loop().create_task(session.run(), name=f"actor-{session.id}")
-        _cap_kernel_send_buffer(ws)
-        wire = SocketWire(ws, self.metrics)
-        self._wires.add(wire)
-        outbox.attach(wire)
+        task = asyncio.get_running_loop().create_task(self._live(session), name=session.id)
+        self._session_tasks.add(task)
+        task.add_done_callback(self._session_tasks.discard)
+        return session
+
+    async def _live(self, session: Session) -> None:
         try:
-            await self._read(ws, session)
+            await session.run()
+        except Exception:
+            log.exception("session %s ended with an error", session.id)
         finally:
-            session.close("disconnected")
-            try:
-                await actor
-            except Exception:
-                log.exception("session %s ended with an error", session.id)
-            finally:
-                # The outbox closes the socket after the session's last events; if the
-                # socket is gone or stuck, nothing it holds is worth waiting for.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(0.5 if ws.close_code is not None else 2.5):
-                        await wire.closed()
-                outbox.detach(wire)
-                self._wires.discard(wire)
-                outbox.release()
-                self.sessions.discard(session)
-                self.metrics.sessions.dec()
+            self.sessions.discard(session)
+            del self._sessions_by_id[session.id]
+            session.outbox.release()
+            self.metrics.sessions.dec()
+            self._set_detached(session, False)
+
+    async def _let_go(self, ws: ServerConnection, wire: SocketWire, session: Session) -> None:
+        """The connection is over. A client that closed it (a close frame: a closed tab)
+        ends its session at once; one that vanished without a close frame (a network
+        drop, a proxy recycling its sockets) leaves the session detached for
+        ``--resume-window`` seconds, for ``session.resume`` on a new connection."""
+        if session.outbox.wire is wire:
+            session.outbox.detach(wire)
+            keep = (
+                self.config.resume_window > 0
+                and not self._stopping
+                and not session.ending
+                and ws.protocol.close_rcvd is None
+            )
+            if keep:
+                session.detach(self.config.resume_window)
+                self._set_detached(session, True)
+            else:
+                session.close("disconnected")
+        # else: resumed on another connection meanwhile; nothing here is ours to end.
+        # websockets closes the socket when this handler returns: first let a close the
+        # outbox started (1001 at shutdown, 1008, 4001) reach the client.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.5 if ws.close_code is not None else 2.5):
+                await wire.closed()
 
     async def _watch_stalls(self) -> None:
         """Close connections whose client stopped reading: see :meth:`SocketWire.check_stall`.
@@ -390,14 +438,72 @@ class Gateway:
                     log.info("closing a connection that read nothing for %.1fs", stall)
                     self.metrics.stalled.inc()
 
-    async def _read(self, ws: ServerConnection, session: Session) -> None:
+    async def _read(self, ws: ServerConnection, wire: SocketWire, session: Session) -> Session:
+        """Client frames -> the session's inbox, until the connection ends; returns the
+        session the connection ended with (another one after a ``session.resume``)."""
+        first = True
         with contextlib.suppress(ConnectionClosed):
             async for frame in ws:
                 try:
                     event: protocol.ClientEvent | protocol.ProtocolError = protocol.decode(frame)
                 except protocol.ProtocolError as err:
                     event = err
-                await session.deliver(event)
+                if isinstance(event, protocol.SessionResume):
+                    session = await self._resume(event, wire, session, first)
+                else:
+                    await session.deliver(event)
+                first = False
+        return session
+
+    async def _resume(
+        self, event: protocol.SessionResume, wire: SocketWire, fresh: Session, first: bool
+    ) -> Session:
+        """Take over the session ``event`` names, or tell why not and go on with ``fresh``."""
+        if not first:
+            await fresh.deliver(
+                protocol.ProtocolError(
+                    "invalid_event",
+                    "session.resume must be the first event on a new connection.",
+                    event_id=event.event_id,
+                )
+            )
+            return fresh
+        target = self._sessions_by_id.get(event.session_id)
+        code = (
+            target.resume(event.resume_token, event.last_sequence_number, wire)
+            if target is not None and target is not fresh and self.config.resume_window > 0
+            else "session_not_found"
+        )
+        self.metrics.resumes.labels(outcome=code or "resumed").inc()
+        if code is not None or target is None:
+            error = protocol.ProtocolError(
+                code or "session_not_found", _RESUME_ERRORS[code], event_id=event.event_id
+            )
+            await fresh.deliver(error)
+            return fresh
+        # The fresh session this connection started with is discarded, quietly: the
+        # socket is the resumed session's now.
+        fresh.outbox.detach(wire)
+        fresh.close("disconnected")
+        self._set_detached(target, False)
+        log.info("session %s resumed after event %d", target.id, event.last_sequence_number)
+        return target
+
+    def _set_detached(self, session: Session, detached: bool) -> None:
+        if detached:
+            self._detached.add(session)
+        else:
+            self._detached.discard(session)
+        self.metrics.detached.set(len(self._detached))
+
+
+_RESUME_ERRORS: dict[str | None, str] = {
+    None: "No session with that id and resume token can be resumed here.",
+    "session_not_found": "No session with that id and resume token can be resumed here "
+    "(unknown, ended, or its resume window is over); this connection goes on as a new session.",
+    "resume_gap": "Some events after last_sequence_number are no longer kept, so the session "
+    "cannot be resumed without losing them; this connection goes on as a new session.",
+}
 
 
 class SocketWire:

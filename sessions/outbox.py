@@ -114,6 +114,7 @@ class Outbox:
         self._bytes = 0
         self._max_pending = max_pending
         self._max_bytes = max_pending_bytes
+        self._pending_limit = max_pending_bytes  # lower while detached: see detach()
         self._coalesce = coalesce
         self._wire: Wire | None = None
         self._writer: asyncio.Task[None] | None = None
@@ -141,8 +142,9 @@ class Outbox:
         return self._seq
 
     @property
-    def attached(self) -> bool:
-        return self._wire is not None
+    def wire(self) -> Wire | None:
+        """The socket end events go to now (None while the session is detached)."""
+        return self._wire
 
     # -- putting events --------------------------------------------------------------
 
@@ -191,6 +193,7 @@ class Outbox:
         """Send to ``wire`` from now on: ``first`` (frames already numbered, or never
         numbered), then whatever is pending. A wire attached before is closed (4001)."""
         old, self._wire = self._wire, wire
+        self._pending_limit = self._max_bytes
         if old is not None:
             old.close(4001, "the session was resumed on another connection")
         self._pending.extendleft(_Numbered(frame) for frame in reversed(first))
@@ -200,6 +203,9 @@ class Outbox:
         """``wire`` is gone: keep events pending until another attaches (or the end)."""
         if self._wire is wire:
             self._wire = None
+            # What waits for a resume is held to the replay buffer's size.
+            self._pending_limit = min(self._max_bytes, self._replay_limit)
+            self._check_limits()
 
     def replay_after(self, last_sequence_number: int) -> list[bytes] | None:
         """The frames numbered above ``last_sequence_number``, or None if some of them
@@ -330,7 +336,7 @@ class Outbox:
             budget.used -= len(old)
 
     def _check_limits(self) -> None:
-        if len(self._pending) > self._max_pending or self._bytes > self._max_bytes:
+        if len(self._pending) > self._max_pending or self._bytes > self._pending_limit:
             self._overflow()
 
     def _overflow(self) -> None:

@@ -17,7 +17,9 @@ only after the scheduler reports that the job's stream has ended.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import secrets
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -34,7 +36,7 @@ from gateway.engines.base import (
 from gateway.metrics import Metrics
 from gateway.scheduler import CancelReason, Job, Outcome, Scheduler
 from sessions.conversation import Conversation, Item, items_to_messages
-from sessions.outbox import Outbox
+from sessions.outbox import Outbox, Wire
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +107,12 @@ class _Close:
     text: str
 
 
-_Inbound = p.ClientEvent | p.ProtocolError | _JobDone | _Close
+@dataclass(frozen=True, slots=True)
+class _Overflow:
+    """The outbox dropped events it could not hold (see ``Outbox.on_overflow``)."""
+
+
+_Inbound = p.ClientEvent | p.ProtocolError | _JobDone | _Close | _Overflow
 
 _STATUS_REASON: dict[str, dict[str, Any]] = {
     "completed": {"type": "completed"},
@@ -122,8 +129,9 @@ class Session:
         config: SessionConfig | None = None,
         limits: SessionLimits | None = None,
         metrics: Metrics | None = None,
+        session_id: str | None = None,
     ) -> None:
-        self.id = p.new_id("sess")
+        self.id = session_id or p.new_id("sess")
         self.conversation_id = p.new_id("conv")
         self.scheduler = scheduler
         self.outbox = outbox
@@ -138,7 +146,17 @@ class Session:
         self._responses: dict[Job, _Response] = {}
         self._in_conversation: _Response | None = None
         self._closing: _Close | None = None
-        self.outbox.put(p.event("session.created", session=self._session_json()))
+        self._close_requested = False
+        self._resume_token = secrets.token_urlsafe(24)  # 192 bits; never logged
+        self._expiry: asyncio.TimerHandle | None = None
+        self.outbox.on_overflow = lambda: self._inbox.put_nowait(_Overflow())
+        self.outbox.put(
+            p.event(
+                "session.created",
+                session=self.session_json(),
+                resume_token=self._resume_token,
+            )
+        )
 
     # -- inputs (any task) ---------------------------------------------------
 
@@ -156,7 +174,56 @@ class Session:
         self, reason: CancelReason = "disconnected", code: int = 1000, text: str = ""
     ) -> None:
         """End the session: its work is cancelled, then the outbox closes with ``code``."""
+        self._close_requested = True
+        self._cancel_expiry()
         self._inbox.put_nowait(_Close(reason, code, text))
+
+    @property
+    def ending(self) -> bool:
+        """Closed, or asked to close: it can no longer be resumed."""
+        return self._close_requested
+
+    # -- resuming (the server calls these; no socket is needed here) -----------------
+
+    @property
+    def detached(self) -> bool:
+        return self._expiry is not None
+
+    def detach(self, window: float) -> None:
+        """The socket dropped without a close frame: keep everything for ``window``
+        seconds (a response in flight goes on into the outbox), then end."""
+        self._cancel_expiry()
+        self._expiry = asyncio.get_running_loop().call_later(window, self.close)
+
+    def resume(self, token: str, last_sequence_number: int, wire: Wire) -> str | None:
+        """Send to ``wire`` from now on: ``session.resumed``, then every event numbered
+        above ``last_sequence_number``, then live events. None on success, else the
+        error code: ``session_not_found`` (ended, or a wrong token: a guess learns
+        nothing) or ``resume_gap`` (some of those events are no longer kept)."""
+        if self.ending or not hmac.compare_digest(token.encode(), self._resume_token.encode()):
+            return "session_not_found"
+        replay = self.outbox.replay_after(last_sequence_number)
+        if replay is None:
+            return "resume_gap"
+        self._cancel_expiry()
+        self._resume_token = secrets.token_urlsafe(24)  # the old one is spent
+        resumed = p.encode(
+            p.event(
+                "session.resumed",
+                event_id=p.new_id("event"),
+                session=self.session_json(),
+                resume_token=self._resume_token,
+            )
+        )
+        self.outbox.attach(wire, [resumed, *replay])
+        if self.metrics is not None:
+            self.metrics.replayed_events.inc(len(replay))
+        return None
+
+    def _cancel_expiry(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
 
     @property
     def live_responses(self) -> int:
@@ -211,6 +278,11 @@ class Session:
     def _handle(self, item: _Inbound) -> None:
         if isinstance(item, _Close):
             self._begin_close(item)
+            return
+        if isinstance(item, _Overflow):
+            # Its events were dropped: what is running can never reach the client whole.
+            for job in list(self._responses):
+                self.scheduler.cancel(job, "disconnected")
             return
         if not isinstance(item, _JobDone):
             self._unhandled -= 1
@@ -268,7 +340,7 @@ class Session:
 
     # -- session and conversation ----------------------------------------------
 
-    def _session_json(self) -> p.JSON:
+    def session_json(self) -> p.JSON:
         c = self.config
         return {
             "object": "realtime.session",
@@ -291,7 +363,7 @@ class Session:
         config = replace(self.config, **{k: v for k, v in changes.items() if v != p.UNSET})
         _check_named_choice(config.tools, config.tool_choice, "session", event.event_id)
         self.config = config
-        self.outbox.put(p.event("session.updated", session=self._session_json()))
+        self.outbox.put(p.event("session.updated", session=self.session_json()))
 
     def _item_create(self, event: p.ItemCreate) -> None:
         spec, previous = event.item, event.previous_item_id

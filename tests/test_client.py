@@ -365,15 +365,19 @@ async def test_a_failed_answer_raises_with_the_partial_reply() -> None:
     assert caught.value.reply.text == "".join(deltas)
 
 
-async def test_a_dropped_connection_raises_connection_lost(slow_gw: RunningGateway) -> None:
-    async with gc.connect(slow_gw.ws_url) as chat:
+async def test_a_dropped_connection_raises_connection_lost() -> None:
+    engine = SimEngine(step_ms=5, response_tokens=400)
+    async with (
+        running_gateway(engine, resume_window=0) as slow_gw,
+        gc.connect(slow_gw.ws_url) as chat,
+    ):
         stream = chat.stream("Tell me a long story")
         with pytest.raises(gc.ConnectionLost):
             async for _ in stream:
                 chat._ws.transport.abort()  # the network goes away mid-answer
         with pytest.raises(gc.ConnectionLost):
             await chat.ask("anyone there?")
-    await slow_gw.wait_idle()  # and the gateway freed what the answer held
+        await slow_gw.wait_idle()  # and the gateway freed what the answer held
 
 
 async def test_a_silent_gateway_times_out() -> None:

@@ -36,7 +36,9 @@ SERVER_EVENTS: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(RealtimeServerEv
 
 # Fields the gateway adds where the official types have none, by where they appear.
 ADDED_FIELDS = {
-    "": {"sequence_number"},  # on every event (resume, issue 12)
+    # sequence_number: on every event; resume_token: on session.created, the secret a
+    # session.resume presents (resume, issue 12).
+    "": {"sequence_number", "resume_token"},
     "session": {"object", "id", "temperature", "top_p", "seed", "stop"},
     "response.status_details": {"gateway_reason"},
 }

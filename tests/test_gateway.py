@@ -81,8 +81,9 @@ async def test_cancel_mid_stream_keeps_the_partial_answer() -> None:
         assert isinstance(engine, SimEngine) and engine.tokens_after_abort == 0
 
 
-async def test_abrupt_disconnect_frees_everything() -> None:
-    async with running_gateway(SimEngine(step_ms=5, response_tokens=10_000)) as gw:
+async def test_abrupt_disconnect_frees_everything_without_a_resume_window() -> None:
+    engine = SimEngine(step_ms=5, response_tokens=10_000)
+    async with running_gateway(engine, resume_window=0) as gw:
         for _ in range(3):
             c = await connect(gw.ws_url).__aenter__()
             await c.recv()
@@ -359,7 +360,7 @@ async def test_a_reader_that_stops_reading_costs_bounded_memory_and_loses_nothin
 
 async def test_a_client_that_never_reads_is_closed_after_the_stall_timeout() -> None:
     async with running_gateway(
-        SimEngine(step_ms=0, response_tokens=1_000_000), stall_timeout=0.5
+        SimEngine(step_ms=0, response_tokens=1_000_000), stall_timeout=0.5, resume_window=0
     ) as gw:
         sock = _small_buffer_socket(gw.gateway.port)
         ws = await connect(gw.ws_url, sock=sock, max_queue=1).__aenter__()
