@@ -6,11 +6,13 @@ import argparse
 import asyncio
 import errno
 import logging
+import re
 import resource
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -80,6 +82,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{PROG}: {message} (--help lists every flag)\n")
 
 
+def node_name(text: str) -> str:
+    """``--node``: letters, digits and ``-``, so that session ids stay parseable."""
+    if not re.fullmatch(r"[A-Za-z0-9-]{1,32}", text):
+        raise argparse.ArgumentTypeError("use 1 to 32 letters, digits or '-'")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The flags, by group. Adding one is one ``GROUP.add_argument(...)`` line; its default
     is shown by the formatter (write ``default: ...`` in the help only when it is not a value)."""
@@ -110,10 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="debug, info, warning or error",
     )
     server.add_argument(
+        "--node",
+        type=node_name,
+        metavar="NAME",
+        help="host name in session ids, for routing",
+    )
+    server.add_argument(
         "--no-coalesce", action="store_true", help="a frame per delta, no merging (benchmarks)"
     )
     # Set by --workers for each process it starts.
     server.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
+    server.add_argument("--worker-dir", help=argparse.SUPPRESS)  # their relay sockets
 
     limits = parser.add_argument_group("limits")
     limits.add_argument(
@@ -277,6 +293,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         coalesce=not args.no_coalesce,
         instructions=args.instructions,
         worker=str(args.worker_index or 0),
+        worker_dir=args.worker_dir,
+        node=args.node,
         reuse_port=args.worker_index is not None,
     )
 
@@ -348,22 +366,28 @@ def run_workers(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if "--workers" in argv:  # the value was a separate word
         index = list(argv).index("--workers")
         base = list(argv[:index]) + list(argv[index + 2 :])
-    children = [
-        subprocess.Popen(
-            [sys.executable, "-m", "gateway", *base, "--port", str(port), "--worker-index", str(i)]
-        )
-        for i in range(args.workers)
-    ]
-    log.info("started %d workers on port %d", len(children), port)
+    # The workers' relay sockets (a resume reaching the wrong worker is relayed to the
+    # right one: gateway/relay.py), in a directory only this user can open.
+    with tempfile.TemporaryDirectory(prefix="llm-gateway-") as worker_dir:
+        children = [
+            subprocess.Popen(
+                [
+                    *(sys.executable, "-m", "gateway", *base),
+                    *("--port", str(port), "--worker-index", str(i), "--worker-dir", worker_dir),
+                ]
+            )
+            for i in range(args.workers)
+        ]
+        log.info("started %d workers on port %d", len(children), port)
 
-    def forward(signum: int, _frame: object) -> None:
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
+        def forward(signum: int, _frame: object) -> None:
+            for child in children:
+                if child.poll() is None:
+                    child.send_signal(signum)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    codes = [child.wait() for child in children]
+        signal.signal(signal.SIGTERM, forward)
+        signal.signal(signal.SIGINT, forward)
+        codes = [child.wait() for child in children]
     return max(codes, key=abs)
 
 

@@ -29,4 +29,6 @@ class GatewayConfig:
     coalesce: bool = True
     shutdown_grace: float = 3.0  # seconds to flush response.done before closing sockets
     worker: str = "0"
+    node: str | None = None  # this host's name in session ids, for a load balancer's routing
+    worker_dir: str | None = None  # with --workers: where the workers' relay sockets are
     reuse_port: bool = False

@@ -18,14 +18,14 @@ import time
 from collections.abc import Sequence
 
 import orjson
-from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.asyncio.server import Server, ServerConnection, serve, unix_serve
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 from websockets.protocol import State
 from websockets.typing import Subprotocol
 
-from gateway import auth, http, protocol
+from gateway import auth, http, protocol, relay
 from gateway.config import GatewayConfig
 from gateway.engines.base import Engine, EngineError
 from gateway.handshake import HandshakeConnection, Pending, PlainRequest
@@ -73,6 +73,7 @@ class Gateway:
         self._stopping = False
         self._engine_task: asyncio.Task[None] | None = None
         self._stall_task: asyncio.Task[None] | None = None
+        self._relay_server: Server | None = None  # --workers: resumes other workers relay
         self._wires: set[SocketWire] = set()  # attached to a session's outbox
         self._limits = SessionLimits(max_parallel_out_of_band=config.max_parallel_per_session)
         self.credentials = auth.Credentials(
@@ -105,6 +106,16 @@ class Gateway:
             # drops their handshakes' last ACK and each waits for a SYN-ACK resend (1 s+).
             backlog=LISTEN_BACKLOG,
         )
+        if self.config.worker_dir is not None:
+            path = relay.socket_path(self.config.worker_dir, self.config.worker)
+            path.unlink(missing_ok=True)
+            self._relay_server = await unix_serve(
+                self._handle_relayed,
+                str(path),
+                max_size=self.config.max_message_bytes,
+                compression=None,
+                close_timeout=CLOSE_TIMEOUT,
+            )
         loop = asyncio.get_running_loop()
         self._engine_task = loop.create_task(self._start_engine())
         self._stall_task = loop.create_task(self._watch_stalls(), name="stall-watch")
@@ -161,6 +172,8 @@ class Gateway:
         self._stopping = True
         self.scheduler.drain()  # nothing new starts while the sessions wind down
         server.close(close_connections=False)
+        if self._relay_server is not None:
+            self._relay_server.close(close_connections=False)
         # A connection that has sent no request yet would hold wait_closed() until its
         # handshake timeout: nothing it could still ask for will be served.
         self.pending.close()
@@ -180,6 +193,10 @@ class Gateway:
         # Detached sessions have no connection to wait for: wait for them to end.
         if self._session_tasks:
             await asyncio.wait(set(self._session_tasks), timeout=grace)
+        if self._relay_server is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace):
+                    await self._relay_server.wait_closed()
         await self.scheduler.close()
         if self._stall_task is not None:
             self._stall_task.cancel()
@@ -351,13 +368,45 @@ class Gateway:
         _cap_kernel_send_buffer(ws)
         wire = SocketWire(ws, self.metrics)
         self._wires.add(wire)
-        session = self._open_session()
+        session: Session | None = self._open_session()
+        assert session is not None
         session.outbox.attach(wire)
         try:
             session = await self._read(ws, wire, session)
         finally:
             self._wires.discard(wire)
-            await self._let_go(ws, wire, session)
+            if session is not None:
+                await self._let_go(ws, wire, session)
+
+    async def _handle_relayed(self, ws: ServerConnection) -> None:
+        """A resume another worker received for a session of ours (gateway/relay.py): the
+        first event is that ``session.resume``; after it, as any connection."""
+        if self._stopping:
+            await _close(ws, 1001, "server shutting down")
+            return
+        wire = SocketWire(ws, self.metrics)
+        self._wires.add(wire)
+        session: Session | None = None
+        try:
+            with contextlib.suppress(ConnectionClosed, TimeoutError):
+                async with asyncio.timeout(relay.CONNECT_TIMEOUT):
+                    event = protocol.decode(await ws.recv())
+                if isinstance(event, protocol.SessionResume):
+                    taken = self._take_over(event, wire)
+                    if isinstance(taken, str):  # the other worker tells its client why
+                        refusal = protocol.ProtocolError(taken, _RESUME_ERRORS[taken])
+                        await ws.send(protocol.encode(protocol.error_event(refusal)), text=True)
+                    else:
+                        session = taken
+            if session is None:
+                return
+            session = await self._read(ws, wire, session, first=False)
+        except protocol.ProtocolError:
+            return
+        finally:
+            self._wires.discard(wire)
+            if session is not None:
+                await self._let_go(ws, wire, session)
 
     def _open_session(self) -> Session:
         """A new session and the task that runs it, until it ends (which may be long after
@@ -376,7 +425,7 @@ class Gateway:
             metrics=self.metrics,
             # The worker that holds a session is in its id: a resume landing on another
             # worker is relayed there (gateway/relay.py).
-            session_id=protocol.new_id(f"sess_{c.worker}"),
+            session_id=protocol.new_id(f"sess_{relay.owner_tag(c.node, c.worker)}"),
         )
         self.sessions.add(session)
         self._sessions_by_id[session.id] = session
@@ -438,10 +487,12 @@ class Gateway:
                     log.info("closing a connection that read nothing for %.1fs", stall)
                     self.metrics.stalled.inc()
 
-    async def _read(self, ws: ServerConnection, wire: SocketWire, session: Session) -> Session:
+    async def _read(
+        self, ws: ServerConnection, wire: SocketWire, session: Session, *, first: bool = True
+    ) -> Session | None:
         """Client frames -> the session's inbox, until the connection ends; returns the
-        session the connection ended with (another one after a ``session.resume``)."""
-        first = True
+        session the connection ended with (another one after a ``session.resume``), or
+        None if the connection was relayed to another worker and that has ended."""
         with contextlib.suppress(ConnectionClosed):
             async for frame in ws:
                 try:
@@ -449,16 +500,25 @@ class Gateway:
                 except protocol.ProtocolError as err:
                     event = err
                 if isinstance(event, protocol.SessionResume):
-                    session = await self._resume(event, wire, session, first)
+                    resumed = await self._resume(event, ws, wire, session, first)
+                    if resumed is None:
+                        return None
+                    session = resumed
                 else:
                     await session.deliver(event)
                 first = False
         return session
 
     async def _resume(
-        self, event: protocol.SessionResume, wire: SocketWire, fresh: Session, first: bool
-    ) -> Session:
-        """Take over the session ``event`` names, or tell why not and go on with ``fresh``."""
+        self,
+        event: protocol.SessionResume,
+        ws: ServerConnection,
+        wire: SocketWire,
+        fresh: Session,
+        first: bool,
+    ) -> Session | None:
+        """Take over the session ``event`` names (here, or relayed to the worker holding
+        it: then None once that relay has ended), or tell why not and go on with ``fresh``."""
         if not first:
             await fresh.deliver(
                 protocol.ProtocolError(
@@ -468,26 +528,60 @@ class Gateway:
                 )
             )
             return fresh
+        c = self.config
+        owner = relay.owner_of(event.session_id)
+        if (
+            c.worker_dir is not None
+            and c.resume_window > 0
+            and owner is not None
+            and owner != relay.owner_tag(c.node, c.worker)
+            and owner == relay.owner_tag(c.node, relay.worker_of(owner))  # this host's
+        ):
+            opened = await relay.open_leg(c.worker_dir, relay.worker_of(owner), event)
+            if opened is not None and opened[1].get("type") == "session.resumed":
+                leg, answer = opened
+                self._discard_fresh(fresh, wire)
+                wire.write(protocol.encode(answer))
+                await relay.pipe(ws, wire, leg)
+                return None
+            if opened is not None:
+                await opened[0].close()
+            code = opened[1].get("error", {}).get("code") if opened is not None else None
+            return await self._refuse_resume(event, fresh, code or "session_not_found")
+        target = self._take_over(event, wire)
+        if isinstance(target, str):
+            return await self._refuse_resume(event, fresh, target)
+        self._discard_fresh(fresh, wire)
+        return target
+
+    def _take_over(self, event: protocol.SessionResume, wire: SocketWire) -> Session | str:
+        """Attach ``wire`` to the session ``event`` names, if its token and replay buffer
+        allow; else the error code that says why not."""
         target = self._sessions_by_id.get(event.session_id)
         code = (
             target.resume(event.resume_token, event.last_sequence_number, wire)
-            if target is not None and target is not fresh and self.config.resume_window > 0
+            if target is not None and self.config.resume_window > 0
             else "session_not_found"
         )
         self.metrics.resumes.labels(outcome=code or "resumed").inc()
         if code is not None or target is None:
-            error = protocol.ProtocolError(
-                code or "session_not_found", _RESUME_ERRORS[code], event_id=event.event_id
-            )
-            await fresh.deliver(error)
-            return fresh
-        # The fresh session this connection started with is discarded, quietly: the
-        # socket is the resumed session's now.
-        fresh.outbox.detach(wire)
-        fresh.close("disconnected")
+            return code or "session_not_found"
         self._set_detached(target, False)
         log.info("session %s resumed after event %d", target.id, event.last_sequence_number)
         return target
+
+    async def _refuse_resume(
+        self, event: protocol.SessionResume, fresh: Session, code: str
+    ) -> Session:
+        error = protocol.ProtocolError(code, _RESUME_ERRORS[code], event_id=event.event_id)
+        await fresh.deliver(error)
+        return fresh
+
+    def _discard_fresh(self, fresh: Session, wire: SocketWire) -> None:
+        """The session the connection started with goes, quietly: the socket belongs to
+        the resumed one now."""
+        fresh.outbox.detach(wire)
+        fresh.close("disconnected")
 
     def _set_detached(self, session: Session, detached: bool) -> None:
         if detached:
@@ -497,8 +591,7 @@ class Gateway:
         self.metrics.detached.set(len(self._detached))
 
 
-_RESUME_ERRORS: dict[str | None, str] = {
-    None: "No session with that id and resume token can be resumed here.",
+_RESUME_ERRORS: dict[str, str] = {
     "session_not_found": "No session with that id and resume token can be resumed here "
     "(unknown, ended, or its resume window is over); this connection goes on as a new session.",
     "resume_gap": "Some events after last_sequence_number are no longer kept, so the session "

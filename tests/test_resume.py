@@ -4,8 +4,10 @@ resume on a new one with ``session.resume``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
+import re
 from typing import Any
 
 import pytest
@@ -23,15 +25,17 @@ class Resumable:
         self.url = url
         self.ws: ClientConnection | None = None
         self.session_id = ""
+        self.fresh_session_id = ""  # the session the latest connection started with
         self.token = ""
         self.last = 0  # the last sequence_number received
         self.events: list[dict[str, Any]] = []  # every numbered event, across connections
 
-    async def open(self) -> dict[str, Any]:
-        self.ws = await connect(self.url, open_timeout=TIMEOUT)
+    async def open(self, query: str = "") -> dict[str, Any]:
+        self.ws = await connect(self.url + query, open_timeout=TIMEOUT)
         created = await self.recv()
         assert created["type"] == "session.created"
         self.session_id, self.token = created["session"]["id"], created["resume_token"]
+        self.fresh_session_id = self.session_id
         return created
 
     async def recv(self) -> dict[str, Any]:
@@ -57,12 +61,16 @@ class Resumable:
         assert self.ws is not None
         self.ws.transport.abort()
 
-    async def resume(self, *, token: str | None = None, last: int | None = None) -> dict[str, Any]:
-        """A new connection that asks for the session back; the answer (resumed or error)."""
+    async def resume(
+        self, *, token: str | None = None, last: int | None = None, route: bool = True
+    ) -> dict[str, Any]:
+        """A new connection that asks for the session back; the answer (resumed or error).
+        ``route``: the session id in the URL, for a load balancer (the gateway ignores it)."""
         session_id, own_token = self.session_id, self.token
         after = self.last if last is None else last
         events = [e for e in self.events if e["sequence_number"] <= after]
-        await self.open()  # a fresh session first, as every connection starts
+        # A fresh session first, as every connection starts.
+        await self.open(f"?session_id={session_id}" if route else "")
         await self.send(
             {
                 "type": "session.resume",
@@ -271,3 +279,72 @@ async def test_resume_metrics(gw: RunningGateway) -> None:
     assert m.resumes.labels(outcome="resumed").value == 1
     assert m.replayed_events.value == 3
     await client.close()
+
+
+class NodeRouter:
+    """A load balancer in front of several gateway hosts, as docs/deployment.md configures
+    one: a connection whose URL carries ``session_id`` goes to the node that id names
+    (``sess_<node>.<worker>_...``, from ``--node``); any other goes round-robin."""
+
+    def __init__(self, nodes: dict[str, int]) -> None:
+        self.nodes = nodes
+        self._turn = 0
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> str:
+        self._server = await asyncio.start_server(self._route, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        return f"ws://127.0.0.1:{port}/v1/realtime"
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    async def _route(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        named = re.search(rb"[?&]session_id=sess_([A-Za-z0-9-]+)\.", head.split(b"\r\n")[0])
+        if named is not None:
+            port = self.nodes[named.group(1).decode()]
+        else:
+            port = list(self.nodes.values())[self._turn % len(self.nodes)]
+            self._turn += 1
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", port)
+        up_writer.write(head)
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.transport.abort()  # a drop stays a drop: no FIN is made up on the way
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+
+async def test_a_load_balancer_routes_a_resume_by_the_session_id() -> None:
+    engines = [SimEngine(step_ms=2, response_tokens=200) for _ in range(2)]
+    async with (
+        running_gateway(engines[0], node="a") as a,
+        running_gateway(engines[1], node="b") as b,
+        NodeRouter({"a": a.gateway.port, "b": b.gateway.port}) as url,
+    ):
+        client = Resumable(url)
+        await client.open()
+        await client.send({"type": "response.create"})
+        response_id = (await client.until("response.created"))["response"]["id"]
+        for _ in range(4):  # each drop: a fresh connection, routed by the session id
+            await client.until("response.output_text.delta")
+            client.drop()
+            assert (await client.resume())["type"] == "session.resumed"
+        done = await client.until("response.done")
+        joined, final = response_text(client.events, response_id)
+        assert joined == final != "" and done["response"]["status"] == "completed"
+        # Without the id in the URL, round-robin sends the resume to the other host.
+        held = (client.session_id, client.token, client.last, client.events)
+        outcomes = set()
+        for _ in range(2):
+            client.drop()
+            outcomes.add((await client.resume(route=False))["type"])
+            client.session_id, client.token, client.last, client.events = held
+        assert outcomes == {"session.resumed", "error"}
+        await client.close()

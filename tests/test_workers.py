@@ -17,6 +17,9 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from gateway import relay
+from tests.test_resume import Resumable, response_text
+
 WORKERS = 2
 START_TIMEOUT = 20.0
 ATTEMPTS = 300  # short connections; the kernel spreads them by their source port
@@ -120,3 +123,57 @@ def test_workers_share_the_port_and_stop_together(
     assert time.monotonic() - stopped_at < 5
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
         pass  # every worker is gone: nothing listens on the port any more
+
+
+async def test_a_resume_reaching_the_other_worker_is_relayed_to_the_one_holding_it(
+    gateway_workers: tuple[subprocess.Popen[bytes], int],
+) -> None:
+    process, port = gateway_workers
+    base = f"127.0.0.1:{port}"
+    wait_until_serving(process, base)
+    client = Resumable(f"ws://{base}/v1/realtime")
+    await client.open()
+    owner = relay.owner_of(client.session_id)
+    await client.send({"type": "response.create", "response": {"max_output_tokens": 60}})
+    response_id = (await client.until("response.created"))["response"]["id"]
+    await client.until("response.output_text.delta")
+    landed: set[str] = set()
+    for _ in range(4):  # drop and resume, landing on whichever worker the kernel picks
+        client.drop()
+        answer = await client.resume()
+        assert answer["type"] == "session.resumed", answer
+        landed.add(str(relay.owner_of(client.fresh_session_id)))
+        # A few events on this connection, then drop it again.
+        for _ in range(3):
+            if (await client.recv())["type"] == "response.done":
+                break
+    # Until one resume has landed on the worker that does not hold the session.
+    while landed <= {str(owner)}:
+        client.drop()
+        assert (await client.resume())["type"] == "session.resumed"
+        landed.add(str(relay.owner_of(client.fresh_session_id)))
+    done = (
+        await client.until("response.done")
+        if client.events[-1]["type"] != "response.done"
+        else client.events[-1]
+    )
+    joined, final = response_text(client.events, response_id)
+    assert joined == final != "" and done["response"]["status"] in ("completed", "incomplete")
+    # A wrong token gets the same answer whichever worker the resume reaches.
+    held = (client.session_id, client.token, client.last, client.events)
+    refused: set[str] = set()
+    while refused <= {str(owner)}:
+        client.drop()
+        wrong = await client.resume(token="not-the-token")
+        assert wrong["type"] == "error" and wrong["error"]["code"] == "session_not_found"
+        refused.add(str(relay.owner_of(client.fresh_session_id)))
+        client.session_id, client.token, client.last, client.events = held
+    client.drop()
+    assert (await client.resume())["type"] == "session.resumed"
+    # The conversation goes on through the relay.
+    await client.send({"type": "response.create", "response": {"max_output_tokens": 5}})
+    assert (await client.until("response.done"))["response"]["status"] in (
+        "completed",
+        "incomplete",
+    )
+    await client.close()
