@@ -7,6 +7,7 @@ import concurrent.futures
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -368,3 +369,53 @@ async def test_a_client_that_never_reads_is_closed_after_the_stall_timeout() -> 
         await gw.wait_idle()  # the server gave up on it and freed its work
         assert gw.gateway.metrics.finished.labels(status="cancelled").value == 1
         ws.transport.abort()
+
+
+async def test_slow_streams_to_clients_that_never_read_are_closed_within_the_stall_timeout() -> (
+    None
+):
+    """A slow stream never fills the kernel's buffers within the stall timeout (the issue's
+    reproduction: the keepalive closed such clients after 40 s, with 1011): an unanswered
+    ping behind the events is what tells."""
+    stall, clients = 1.0, 20
+    engine = SimEngine(step_ms=20, response_tokens=4000)
+    async with running_gateway(engine, stall_timeout=stall) as gw:
+        sockets = [
+            await connect(gw.ws_url, max_queue=1, ping_interval=None).__aenter__()
+            for _ in range(clients)
+        ]
+        for ws in sockets:  # each asks for an answer and then reads nothing at all
+            await ws.send(json.dumps({"type": "response.create"}))
+            ws.transport.pause_reading()
+        started = time.monotonic()
+        metrics = gw.gateway.metrics
+        async with asyncio.timeout(stall + 4):
+            while metrics.stalled.value < clients:
+                await asyncio.sleep(0.05)
+        took = time.monotonic() - started
+        assert stall <= took < stall + 2, took
+        # Their sessions wait for a resume (no close frame came from these clients), once
+        # the close frame that cannot reach them has had its moment.
+        async with asyncio.timeout(stall + 2):
+            while metrics.detached.value < clients:
+                await asyncio.sleep(0.05)
+        for ws in sockets:
+            ws.transport.abort()
+
+
+async def test_a_stalled_generation_fails_after_the_generation_timeout() -> None:
+    engine = SimEngine(step_ms=2, response_tokens=50, stall_after=5)
+    async with running_gateway(engine, generation_timeout=0.5) as gw:
+        async with RawClient.connect(gw.ws_url) as client:
+            started = time.monotonic()
+            await client.send({"type": "response.create"})
+            error = await client.recv_until("error")
+            done = await client.recv_until("response.done")
+            took = time.monotonic() - started
+        assert error["error"]["code"] == "generation_timeout"
+        assert done["response"]["status"] == "failed"
+        assert done["response"]["status_details"]["error"]["code"] == "generation_timeout"
+        assert 0.5 <= took < 2.5
+        await gw.wait_idle()  # aborted in the engine, the slot is free
+        assert engine.active == 0
+        assert gw.gateway.metrics.generation_timeouts.value == 1

@@ -132,6 +132,8 @@ async def test_cancel_keeps_the_partial_answer_as_incomplete(h: Harness) -> None
     assert done["status_details"]["reason"] == "client_cancelled"
     item = h.session.conversation.get(done["output"][0]["id"])
     assert item is not None and item.status == "incomplete" and item.text == sent
+    # The prompt's tokens are reported although the answer was cut short.
+    assert done["usage"]["input_tokens"] > 0 and done["usage"]["output_tokens"] >= 1
     await asyncio.sleep(0.03)  # three engine steps: the aborted stream must be gone
     assert h.engine.active == 0 and h.engine.tokens_after_abort == 0
 

@@ -33,6 +33,7 @@ from gateway.engines.base import (
     Finished,
     GenerationRequest,
     Message,
+    PromptTokens,
     SamplingParams,
     StreamEvent,
     TextDelta,
@@ -345,11 +346,21 @@ async def test_leaving_the_stream_early_aborts_the_request(
 ) -> None:
     standin.controls.reply = "y " * 500
     stream = engine.stream(request("go"))
-    async for _ in stream:
-        break
+    async for event in stream:
+        if isinstance(event, TextDelta):  # after the prompt's count: the answer has begun
+            break
     await stream.aclose()  # type: ignore[attr-defined]
     await wait_idle(standin)
     assert standin.stats.requests[-1].aborted
+
+
+async def test_the_prompts_tokens_come_first_so_a_cut_answer_reports_them(
+    engine: trtllm.TrtllmEngine, standin: ModuleType
+) -> None:
+    events = await collect(engine, request("count me"))
+    first = events[0]
+    assert isinstance(first, PromptTokens)
+    assert first.input_tokens == finished(events).usage.input_tokens > 0
 
 
 async def test_cancelling_an_answer_still_queued_in_tensorrt_llm(

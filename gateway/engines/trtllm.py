@@ -65,6 +65,7 @@ from gateway.engines.base import (
     GenerationRequest,
     InvalidRequestError,
     Message,
+    PromptTokens,
     SamplingParams,
     StreamEvent,
     StreamingEngine,
@@ -574,6 +575,9 @@ class TrtllmEngine(StreamingEngine):
             calls = self._tool_call_text(request)
             prompt_ids = self._fit(request)
             params = self._sampling_params(request.sampling, len(prompt_ids))
+            # Known before the first token: an answer cut short still reports its prompt.
+            # (Not counted as yielded: a refused prompt is retried, and re-reported.)
+            yield PromptTokens(len(prompt_ids))
             try:
                 generation = self._generate(request, prompt_ids, params, calls)
                 async with contextlib.aclosing(generation) as gen:
