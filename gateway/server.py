@@ -1,11 +1,12 @@
 """The network edge: one port for the Realtime WebSocket and a few HTTP routes.
 
 Per connection two tasks run: this module's reader (frames -> decoded events
--> the session's inbox) and the session actor (sessions/session.py). The
+-> the session's inbox) and the session actor (sessions/session.py), which may
+outlive the connection (a dropped one waits for ``session.resume``). The
 session's outbox (sessions/outbox.py) is the one path to the socket: it writes
-through a :class:`SocketWire`, straight from the caller's stack while the
-socket has room, and through a writer task of its own only while the socket
-pushes back, so a slow client blocks nothing but its own outbox.
+through a :class:`~gateway.wire.SocketWire`, straight from the caller's stack
+while the socket has room, and through a writer task of its own only while the
+socket pushes back, so a slow client blocks nothing but its own outbox.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import time
 from collections.abc import Sequence
 
@@ -22,7 +22,6 @@ from websockets.asyncio.server import Server, ServerConnection, serve, unix_serv
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
-from websockets.protocol import State
 from websockets.typing import Subprotocol
 
 from gateway import auth, http, protocol, relay
@@ -31,6 +30,7 @@ from gateway.engines.base import Engine, EngineError
 from gateway.handshake import HandshakeConnection, Pending, PlainRequest
 from gateway.metrics import Metrics
 from gateway.scheduler import Scheduler
+from gateway.wire import CLOSE_TIMEOUT, SocketWire, cap_kernel_send_buffer, close_socket
 from sessions.outbox import Outbox, ReplayBudget
 from sessions.session import Session, SessionConfig, SessionLimits
 
@@ -44,8 +44,6 @@ KEY_SUBPROTOCOL = "openai-insecure-api-key."
 # browser sends an Origin in its ASCII serialization).
 _SINGLE_HEADERS = ("Origin", "Authorization")
 _ASCII_HEADERS = ("Origin", "Authorization", "Sec-WebSocket-Protocol")
-CLOSE_TIMEOUT = 2.0
-KERNEL_SEND_BUFFER = 64 << 10  # per connection (Linux doubles it for bookkeeping)
 LISTEN_BACKLOG = 1024  # the kernel caps it at net.core.somaxconn
 
 
@@ -357,15 +355,15 @@ class Gateway:
 
     async def _handle(self, ws: ServerConnection) -> None:
         if self._stopping:  # the handshake finished after shutdown began
-            await _close(ws, 1001, "server shutting down")
+            await close_socket(ws, 1001, "server shutting down")
             return
         limit = self.config.max_sessions
         if limit is not None and len(self._wires) >= limit:
             # Handshakes that raced past the HTTP check: refuse at the WebSocket level.
             self.metrics.connections_refused.labels(status="1013").inc()
-            await _close(ws, 1013, "too many sessions")
+            await close_socket(ws, 1013, "too many sessions")
             return
-        _cap_kernel_send_buffer(ws)
+        cap_kernel_send_buffer(ws)
         wire = SocketWire(ws, self.metrics)
         self._wires.add(wire)
         session: Session | None = self._open_session()
@@ -382,7 +380,7 @@ class Gateway:
         """A resume another worker received for a session of ours (gateway/relay.py): the
         first event is that ``session.resume``; after it, as any connection."""
         if self._stopping:
-            await _close(ws, 1001, "server shutting down")
+            await close_socket(ws, 1001, "server shutting down")
             return
         wire = SocketWire(ws, self.metrics)
         self._wires.add(wire)
@@ -597,131 +595,6 @@ _RESUME_ERRORS: dict[str, str] = {
     "resume_gap": "Some events after last_sequence_number are no longer kept, so the session "
     "cannot be resumed without losing them; this connection goes on as a new session.",
 }
-
-
-class SocketWire:
-    """The socket end of a session's outbox.
-
-    When the transport has room, a frame goes through websockets' sans-I/O
-    protocol straight to the transport, on the caller's stack: no task, no await.
-    That is what ``ServerConnection.send`` does too, minus its context manager and
-    coroutine; the outbox guarantees the one-writer rule ``send`` would otherwise
-    enforce. When the transport pushes back, the outbox's writer task uses
-    ``send`` itself, which waits for room.
-    """
-
-    __slots__ = (
-        "_close_task",
-        "_metrics",
-        "_probe",
-        "_probe_at",
-        "_probed_bytes",
-        "_protocol",
-        "_sent_bytes",
-        "_ws",
-    )
-
-    def __init__(self, ws: ServerConnection, metrics: Metrics) -> None:
-        self._ws = ws
-        self._protocol = ws.protocol
-        self._metrics = metrics
-        self._close_task: asyncio.Task[None] | None = None
-        self._sent_bytes = 0
-        self._probed_bytes = 0  # what was sent when the last probe went out
-        self._probe: asyncio.Task[None] | None = None
-        self._probe_at = 0.0
-
-    def writable(self) -> bool:
-        return not self._ws.paused
-
-    def write(self, frame: bytes) -> None:
-        if self._protocol.state is not State.OPEN:
-            return  # closing or gone: the frame stays in the replay buffer only
-        self._protocol.send_text(frame)
-        self._ws.send_data()
-        self._count(frame)
-
-    async def write_later(self, frame: bytes) -> None:
-        with contextlib.suppress(ConnectionClosed):
-            await self._ws.send(frame, text=True)
-            self._count(frame)
-
-    def close(self, code: int, reason: str) -> None:
-        self._close(code, reason)
-
-    def _close(self, code: int, reason: str, timeout: float = CLOSE_TIMEOUT) -> None:
-        if self._close_task is None:
-            self._close_task = asyncio.get_running_loop().create_task(
-                _close(self._ws, code, reason, timeout)
-            )
-
-    def check_stall(self, now: float, stall: float) -> bool:
-        """Called a few times per ``stall`` seconds; True when it closed a stalled client.
-
-        "Reading" is defined by progress, not by buffer sizes: after frames were sent,
-        a ping goes out behind them, and the client answers it only once it has read
-        everything before it. Kernel buffers (which can absorb megabytes, and which a
-        TCP peer acknowledges without its application reading anything) cannot hide a
-        client that stopped reading: its pong never comes. A client with nothing sent
-        to it is left to websockets' keepalive.
-        """
-        if self._close_task is not None or self._protocol.state is not State.OPEN:
-            return False
-        probe = self._probe
-        if probe is not None and not probe.done():
-            if now - self._probe_at < stall:
-                return False
-            self._close(1008, "client stopped reading", timeout=min(CLOSE_TIMEOUT, stall))
-            return True
-        if self._sent_bytes > self._probed_bytes:
-            self._probed_bytes, self._probe_at = self._sent_bytes, now
-            self._probe = asyncio.get_running_loop().create_task(self._ping())
-        return False
-
-    async def _ping(self) -> None:
-        with contextlib.suppress(ConnectionClosed):
-            await (await self._ws.ping())
-
-    async def closed(self) -> None:
-        """Until the close this wire started (if any) is done."""
-        if self._close_task is not None:
-            await asyncio.shield(self._close_task)
-
-    def _count(self, frame: bytes) -> None:
-        self._sent_bytes += len(frame)
-        m = self._metrics
-        m.frames.inc()
-        m.bytes_out.inc(len(frame))
-        if frame.startswith(_DELTA_PREFIX):
-            m.delta_frames.inc()
-
-
-_DELTA_PREFIX = b'{"type":"response.output_text.delta"'
-
-
-def _cap_kernel_send_buffer(ws: ServerConnection) -> None:
-    """Keep what the kernel holds for one client small: a client that stops reading
-    then pushes back on the outbox (which merges deltas) within a few frames, instead
-    of parking megabytes in an auto-tuned socket buffer."""
-    sock = ws.transport.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, KERNEL_SEND_BUFFER)
-
-
-async def _close(
-    ws: ServerConnection,
-    code: int,
-    reason: str,
-    timeout: float = CLOSE_TIMEOUT,  # noqa: ASYNC109 (the close frame's own deadline)
-) -> None:
-    """Close with ``code``; if the close frame cannot even be written (the client reads
-    nothing, so ``close()`` would wait on a full buffer forever), drop the TCP connection."""
-    try:
-        async with asyncio.timeout(timeout):
-            await ws.close(code, reason)
-    except TimeoutError:
-        ws.transport.abort()
 
 
 def _malformed_credentials(headers: Headers) -> str | None:
