@@ -108,12 +108,14 @@ class Socket:
     url: str
     sent: list[dict[str, Any]] = field(default_factory=list)
     received: list[dict[str, Any]] = field(default_factory=list)
+    closed: bool = False
 
     @classmethod
     def watch(cls, ws: WebSocket) -> Socket:
         socket = cls(ws.url)
         ws.on("framesent", lambda payload: socket.sent.append(json.loads(payload)))
         ws.on("framereceived", lambda payload: socket.received.append(json.loads(payload)))
+        ws.on("close", lambda _: setattr(socket, "closed", True))
         return socket
 
     def types_sent(self) -> list[str]:
@@ -516,7 +518,7 @@ async def test_a_server_restart_mid_answer_says_so_and_never_asks_for_a_key(
         await expect(page.get_by_test_id("connection")).to_contain_text("reconnecting")
         # While it is gone the user writes on, and the page keeps trying.
         await page.keyboard.type("Still there?")
-        await wait_for(lambda: len(sockets) >= 2)  # a failed attempt: connection refused
+        await wait_for(lambda: bool(sockets) and sockets[0].closed)  # connection refused
 
         async with running_gateway(SimEngine(step_ms=2, response_tokens=5), port=port) as gw:
             await wait_connected(page)
