@@ -2,9 +2,11 @@
 (and once on the bundled model, for the answer README promises).
 
 What a person at the page would notice: the answer grows while it streams, Stop freezes it,
-turns build one conversation on the server, New conversation really starts over, a restarted
-gateway is found again without a reload (and given a well-formed conversation even after a
-hard kill), the page starts from the server's sampling, and a server that wants a key gets one.
+turns build one conversation on the server, New conversation really starts over, an answer
+survives a dropped connection whole, a session that cannot be resumed (or a restarted gateway)
+gives a clear note and the earlier turns only on request (well-formed even after a hard kill),
+a restart is never taken for a missing key, the page starts from the server's sampling, and a
+server that wants a key gets one.
 
 Chromium comes from the system package (``/usr/bin/chromium``; Playwright's own browser
 download is not used). Without it these tests skip, except under ``CI=true`` where they fail:
@@ -13,6 +15,7 @@ a CI run that silently skipped the browser would prove nothing.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -20,15 +23,24 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import pytest
 
 try:
-    from playwright.async_api import Browser, Locator, Page, Route, async_playwright, expect
+    from playwright.async_api import (
+        Browser,
+        Locator,
+        Page,
+        Route,
+        WebSocket,
+        async_playwright,
+        expect,
+    )
 except ImportError:  # a test dependency; CI must have it, a bare checkout may not
     if os.environ.get("CI") == "true":
         raise
@@ -70,18 +82,156 @@ async def browser() -> AsyncIterator[Browser]:
 
 
 @asynccontextmanager
-async def chat_page(browser: Browser, http_url: str) -> AsyncIterator[Page]:
-    """A fresh page (own sessionStorage) on the gateway; page errors fail the test."""
+async def chat_page(
+    browser: Browser, http_url: str, sockets: list[Socket] | None = None
+) -> AsyncIterator[Page]:
+    """A fresh page (own sessionStorage) on the gateway; page errors fail the test. Every
+    WebSocket the page opens is recorded in ``sockets``, if given."""
     context = await browser.new_context()
     page = await context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
+    if sockets is not None:
+        page.on("websocket", lambda ws: sockets.append(Socket.watch(ws)))
     try:
         await page.goto(http_url + "/")
         yield page
     finally:
         await context.close()
     assert not errors, f"JavaScript errors on the page: {errors}"
+
+
+@dataclass
+class Socket:
+    """One of the page's WebSockets, as the browser saw it: its URL and its events."""
+
+    url: str
+    sent: list[dict[str, Any]] = field(default_factory=list)
+    received: list[dict[str, Any]] = field(default_factory=list)
+    closed: bool = False
+
+    @classmethod
+    def watch(cls, ws: WebSocket) -> Socket:
+        socket = cls(ws.url)
+        ws.on("framesent", lambda payload: socket.sent.append(json.loads(payload)))
+        ws.on("framereceived", lambda payload: socket.received.append(json.loads(payload)))
+        ws.on("close", lambda _: setattr(socket, "closed", True))
+        return socket
+
+    def types_sent(self) -> list[str]:
+        return [str(event["type"]) for event in self.sent]
+
+
+class CuttingProxy:
+    """A TCP proxy between the page and the gateway that fails the way networks do.
+
+    ``cut()`` aborts every connection through it: neither end gets a close frame (the page
+    sees close code 1006, the gateway a vanished client). ``hold()`` makes new connections
+    wait until ``release()``; ``refuse_websockets`` aborts WebSocket handshakes while plain
+    HTTP still goes through (a server that is back by the time the page asks /readyz);
+    ``mute_uplink`` swallows what the page sends (it is lost in the drop that follows).
+    """
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.refuse_websockets = False
+        self.refused = 0
+        self.mute_uplink = False
+        self._open = asyncio.Event()
+        self._open.set()
+        self._links: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def __aenter__(self) -> CuttingProxy:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        self.release()
+        self.cut()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._server.wait_closed()
+
+    def cut(self) -> None:
+        for page_side, gateway_side in self._links:
+            page_side.transport.abort()
+            gateway_side.transport.abort()
+        self._links.clear()
+
+    def hold(self) -> None:
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            await self._open.wait()
+            head = await reader.read(65536)
+            if self.refuse_websockets and head.startswith(b"GET /v1/realtime"):
+                self.refused += 1
+                writer.transport.abort()
+                return
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+            link = (writer, up_writer)
+            self._links.add(link)
+            up_writer.write(head)
+            await asyncio.gather(
+                self._pipe(reader, up_writer, uplink=True), self._pipe(up_reader, writer)
+            )
+            self._links.discard(link)
+        except OSError:
+            writer.transport.abort()
+        finally:
+            self._tasks.discard(task)
+
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, uplink: bool = False
+    ) -> None:
+        try:
+            while data := await reader.read(65536):
+                if uplink and self.mute_uplink:
+                    continue
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+        except OSError:
+            writer.transport.abort()
+
+
+async def wait_for(condition: Callable[[], bool]) -> None:
+    """Until ``condition()`` holds (bounded by WAIT_MS)."""
+    async with asyncio.timeout(WAIT_MS / 1000):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+async def watch_the_key_field(page: Page) -> None:
+    """Count from now on how often the API key field takes the focus (window.keyFocus)."""
+    await page.evaluate(
+        """() => {
+            window.keyFocus = 0;
+            document.getElementById('api-key').addEventListener('focus', () => window.keyFocus++);
+        }"""
+    )
+
+
+async def assert_never_asked_for_a_key(page: Page) -> None:
+    assert await page.evaluate("window.keyFocus") == 0, "the API key field took the focus"
+    assert not await page.locator("#api-key-field.attention").count(), "the page asked for a key"
+    assert "API key" not in (await page.get_by_test_id("error").text_content() or "")
 
 
 async def wait_connected(page: Page) -> None:
@@ -209,29 +359,213 @@ async def test_turns_continue_one_conversation_until_new_conversation(browser: B
         assert await tokens(page, 0, "input") == first_in
 
 
-async def test_page_reconnects_after_the_gateway_restarts(browser: Browser) -> None:
-    async with AsyncExitStack() as stack:
-        async with running_gateway(SimEngine(step_ms=5, response_tokens=10)) as gw:
-            port = gw.gateway.port
-            page = await stack.enter_async_context(chat_page(browser, gw.http_url))
-            await wait_connected(page)
-            await send(page, "Remember me.")
-            await expect(status(page, 0)).to_have_attribute("data-status", "completed")
-            first_in = await tokens(page, 0, "input")
+# --- a dropped connection, a lost session, a restarted server -----------------------------
 
-        # The gateway is gone from under the page, which keeps trying and says so.
+
+def held_conversation(gw: RunningGateway) -> list[tuple[str, str]]:
+    """(role, text) of each message the gateway's one session holds."""
+    (session,) = gw.gateway.sessions
+    return [(m.role, m.text) for m in session.conversation.to_messages()]
+
+
+def output_text_done(sockets: list[Socket]) -> list[str]:
+    """The text of every ``response.output_text.done`` the page received, in order."""
+    return [
+        str(e["text"])
+        for s in sockets
+        for e in s.received
+        if e["type"] == "response.output_text.done"
+    ]
+
+
+async def test_an_answer_survives_a_dropped_connection(browser: Browser) -> None:
+    sockets: list[Socket] = []
+    async with (
+        running_gateway(SimEngine(step_ms=10, response_tokens=300)) as gw,
+        CuttingProxy(gw.gateway.port) as proxy,
+        chat_page(browser, proxy.http_url, sockets) as page,
+    ):
+        await wait_connected(page)
+        session_id = sockets[0].received[0]["session"]["id"]
+        await send(page, "Tell me a long story.")
+        shown_at_cut = await wait_growth(page, 0, 20)
+        proxy.hold()  # the network is down for a moment...
+        proxy.cut()
+        await expect(status(page, 0)).to_have_attribute("data-status", "reconnecting")
+        await expect(status(page, 0)).to_have_text("Connection lost — reconnecting…")
         await expect(page.get_by_test_id("connection")).to_have_attribute(
             "data-state", "reconnecting"
         )
-        await expect(page.get_by_test_id("connection")).to_contain_text("reconnecting")
+        proxy.release()  # ...and back: the page resumes on its own
 
-        async with running_gateway(SimEngine(step_ms=5, response_tokens=10), port=port):
+        await expect(status(page, 0)).to_have_attribute("data-status", "completed")
+        shown = await answer(page, 0).text_content()
+        (done,) = output_text_done(sockets)
+        assert shown == done and len(done) > shown_at_cut
+        assert held_conversation(gw) == [("user", "Tell me a long story."), ("assistant", done)]
+        await expect(page.get_by_test_id("note")).to_have_count(0)  # the notice was all
+        await expect(page.get_by_test_id("error")).to_be_hidden()
+        # The new socket named the session in its URL (for a load balancer) and asked for it
+        # back first thing, from the last event the page had; nothing of the history again.
+        first, second = sockets
+        assert second.url.endswith(f"/v1/realtime?session_id={session_id}")
+        resume = second.sent[0]
+        assert resume["type"] == "session.resume" and resume["session_id"] == session_id
+        assert resume["last_sequence_number"] == first.received[-1]["sequence_number"]
+        assert "conversation.item.create" not in second.types_sent()
+
+        # A question lost in a drop (sent, never received) is asked again after the resume.
+        await page.get_by_test_id("max-tokens").fill("20")
+        proxy.mute_uplink = True
+        await send(page, "And then?")
+        await wait_for(lambda: "response.create" in second.types_sent())
+        proxy.hold()
+        proxy.cut()
+        proxy.mute_uplink = False
+        await expect(status(page, 1)).to_have_attribute("data-status", "reconnecting")
+        proxy.release()
+        await expect(status(page, 1)).to_have_attribute("data-status", "length")
+        # The conversation went on in the same session, and the model saw the first turn.
+        (session,) = gw.gateway.sessions
+        assert session.id == session_id
+        second_answer = await answer(page, 1).text_content()
+        assert held_conversation(gw) == [
+            ("user", "Tell me a long story."),
+            ("assistant", done),
+            ("user", "And then?"),
+            ("assistant", second_answer),
+        ]
+        assert await tokens(page, 1, "input") > await tokens(page, 0, "output")
+        await expect(page.get_by_test_id("error")).to_be_hidden()  # no item_not_found shown
+
+
+async def test_a_failed_resume_starts_afresh_and_restores_only_on_request(
+    browser: Browser,
+) -> None:
+    sockets: list[Socket] = []
+    # --resume-window 0: a dropped connection ends its session at once.
+    async with (
+        running_gateway(SimEngine(step_ms=10, response_tokens=2000), resume_window=0) as gw,
+        CuttingProxy(gw.gateway.port) as proxy,
+        chat_page(browser, proxy.http_url, sockets) as page,
+    ):
+        await wait_connected(page)
+        await page.get_by_test_id("max-tokens").fill("6")
+        await send(page, "Remember me.")
+        await expect(status(page, 0)).to_have_attribute("data-status", "length")
+        first_answer = await answer(page, 0).text_content()
+        await page.get_by_test_id("max-tokens").fill("")
+        await send(page, "Tell me a long story.")
+        await wait_growth(page, 1, 10)
+        proxy.cut()
+
+        await expect(status(page, 1)).to_have_attribute("data-status", "interrupted")
+        await expect(status(page, 1)).to_contain_text("could not be recovered")
+        note = page.get_by_test_id("note")
+        await expect(note).to_contain_text("could not be resumed")
+        await expect(note).to_contain_text("the next message starts a new one")
+        await wait_connected(page)
+        # The page asked for its session, was told no, and sent nothing of the history.
+        second = sockets[1]
+        assert second.sent[0]["type"] == "session.resume"
+        assert any(e.get("error", {}).get("code") == "session_not_found" for e in second.received)
+        assert "conversation.item.create" not in second.types_sent()
+        await expect(page.get_by_test_id("error")).to_be_hidden()
+
+        await page.get_by_test_id("max-tokens").fill("5")
+        await send(page, "Next.")
+        await expect(status(page, 2)).to_have_attribute("data-status", "length")
+        third_answer = await answer(page, 2).text_content()
+        assert held_conversation(gw) == [("user", "Next."), ("assistant", third_answer)]
+
+        # Asked, the page gives the new session the answered turns, ahead of the new one.
+        await page.get_by_test_id("restore").click()
+        await expect(page.get_by_test_id("note").last).to_contain_text("2 earlier messages")
+        await expect(page.get_by_test_id("note").last).to_contain_text("left out")
+        await expect(page.get_by_test_id("restore")).to_have_count(0)
+        await wait_for(lambda: len(held_conversation(gw)) == 4)
+        assert held_conversation(gw) == [
+            ("user", "Remember me."),
+            ("assistant", first_answer),
+            ("user", "Next."),
+            ("assistant", third_answer),
+        ]
+
+
+async def test_a_server_restart_mid_answer_says_so_and_never_asks_for_a_key(
+    browser: Browser,
+) -> None:
+    async with AsyncExitStack() as stack:
+        async with running_gateway(SimEngine(step_ms=10, response_tokens=2000)) as gw:
+            port = gw.gateway.port
+            page = await stack.enter_async_context(chat_page(browser, gw.http_url))
             await wait_connected(page)
-            await expect(page.get_by_test_id("note")).to_contain_text("restored")
-            await send(page, "Still there?")
-            await expect(status(page, 1)).to_have_attribute("data-status", "completed")
-            # The page gave the new server session the earlier turn again.
-            assert await tokens(page, 1, "input") > first_in
+            await watch_the_key_field(page)
+            sockets: list[Socket] = []  # from now on
+            page.on("websocket", lambda ws: sockets.append(Socket.watch(ws)))
+            await page.get_by_test_id("max-tokens").fill("6")
+            await send(page, "Remember me.")
+            await expect(status(page, 0)).to_have_attribute("data-status", "length")
+            first_in = await tokens(page, 0, "input")
+            await page.get_by_test_id("max-tokens").fill("")
+            await send(page, "Tell me a long story.")
+            await wait_growth(page, 1, 10)
+        # The gateway shut down mid-answer (response.done cancelled, then close 1001).
+
+        await expect(status(page, 1)).to_have_attribute("data-status", "interrupted")
+        await expect(status(page, 1)).to_contain_text("Interrupted: the server restarted")
+        await expect(status(page, 1)).not_to_contain_text("Stopped")
+        await expect(page.get_by_test_id("connection")).to_contain_text("reconnecting")
+        # While it is gone the user writes on, and the page keeps trying.
+        await page.keyboard.type("Still there?")
+        await wait_for(lambda: bool(sockets) and sockets[0].closed)  # connection refused
+
+        async with running_gateway(SimEngine(step_ms=2, response_tokens=5), port=port) as gw:
+            await wait_connected(page)
+            await expect(page.get_by_test_id("note")).to_contain_text(
+                "The server restarted, so the server no longer holds this conversation"
+            )
+            await expect(page.get_by_test_id("prompt")).to_have_value("Still there?")
+            await assert_never_asked_for_a_key(page)
+            assert held_conversation(gw) == []  # nothing re-sent on its own
+            await page.get_by_test_id("restore").click()
+            await page.get_by_test_id("prompt").press("Enter")
+            await expect(status(page, 2)).to_have_attribute("data-status", "completed")
+            # The interrupted answer's text was kept, as a stopped one is.
+            roles = [role for role, _ in held_conversation(gw)]
+            assert roles == ["user", "assistant"] * 3
+            assert await tokens(page, 2, "input") > first_in
+
+
+async def test_a_refused_handshake_is_not_taken_for_a_missing_key(browser: Browser) -> None:
+    """The handshake fails while plain HTTP answers (a server back between the two, or in
+    front of a balancer still draining it): the page must not send the user to the key
+    field; only a 401 for its key does (test_page_asks_for_the_api_key...)."""
+    async with (
+        running_gateway(SimEngine(step_ms=2, response_tokens=5)) as gw,
+        CuttingProxy(gw.gateway.port) as proxy,
+    ):
+        proxy.refuse_websockets = True
+        async with chat_page(browser, proxy.http_url) as page:
+            await watch_the_key_field(page)
+            probes: list[int] = []
+            page.on(
+                "response",
+                lambda r: probes.append(r.status) if "client_secrets" in r.url else None,
+            )
+            await page.get_by_test_id("prompt").press_sequentially("Hello?")
+            # Each refusal is looked into before the next attempt (0.5 s, then 1 s later).
+            await wait_for(lambda: proxy.refused >= 3)
+            await assert_never_asked_for_a_key(page)
+            assert probes and set(probes) == {400}  # the key (none) is fine: not a key problem
+            proxy.refuse_websockets = False
+            # The browser says the network is back: the page tries at once, not after 2 s.
+            await page.evaluate("window.dispatchEvent(new Event('online'))")
+            await wait_connected(page)
+            await expect(page.get_by_test_id("prompt")).to_have_value("Hello?")
+            await page.get_by_test_id("prompt").press("Enter")
+            await expect(status(page, 0)).to_have_attribute("data-status", "completed")
+            await assert_never_asked_for_a_key(page)
 
 
 async def test_page_asks_for_the_api_key_and_keeps_it_in_the_tab(browser: Browser) -> None:
@@ -352,23 +686,26 @@ async def test_after_a_hard_kill_the_page_never_sends_two_user_turns_in_a_row(
             await send(page, "Tell me a long story.")
             await wait_growth(page, 1, 10)
             proc.kill()  # no response.done, no close frame: the server is just gone
-            await expect(status(page, 1)).to_have_attribute("data-status", "failed")
+            # The page cannot tell a crash from a network drop: it waits to resume.
+            await expect(status(page, 1)).to_have_attribute("data-status", "reconnecting")
             await expect(page.get_by_test_id("connection")).to_have_attribute(
                 "data-state", "reconnecting"
             )
-            sent: list[dict[str, Any]] = []  # what the page sends the next server
-            page.on(
-                "websocket", lambda ws: ws.on("framesent", lambda f: sent.append(json.loads(f)))
-            )
+            sockets: list[Socket] = []  # what the page sends the next server
+            page.on("websocket", lambda ws: sockets.append(Socket.watch(ws)))
 
             async with running_gateway(SimEngine(step_ms=2, response_tokens=5), port=port) as gw:
                 await wait_connected(page)
-                await expect(page.get_by_test_id("note")).to_contain_text("left out")
+                # The new server knows nothing of the session: session_not_found.
+                await expect(status(page, 1)).to_have_attribute("data-status", "interrupted")
+                await expect(page.get_by_test_id("note")).to_contain_text("could not be resumed")
+                await page.get_by_test_id("restore").click()
+                await expect(page.get_by_test_id("note").last).to_contain_text("left out")
                 await send(page, "Still there?")
                 await expect(status(page, 2)).to_have_attribute("data-status", "completed")
-                (session,) = gw.gateway.sessions
-                held = [(m.role, m.text) for m in session.conversation.to_messages()]
+                held = held_conversation(gw)
 
+    sent = [e for s in sockets for e in s.sent]
     items = [e["item"] for e in sent if e["type"] == "conversation.item.create"]
     assert [item["role"] for item in items] == ["user", "assistant", "user"]
     assert items[0]["content"][0]["text"] == "Remember me."

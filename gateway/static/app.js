@@ -4,6 +4,12 @@
 // grows with every response.output_text.delta and ends with response.done, whose status and
 // usage become the line under the answer. Stop sends response.cancel. All model and server
 // text goes into the page with textContent, never as HTML.
+//
+// Resume: the page keeps its server session's id, the latest resume_token and the last
+// sequence_number it processed. When the socket drops (not closed by the page or the server
+// going away), it reconnects with session.resume as the first event; the server replays what
+// the page missed and the answer goes on where it stopped. If the server cannot resume, the
+// page goes on as the fresh session and offers to restore the conversation (never on its own).
 
 const RECONNECT_MIN_MS = 500;
 const RECONNECT_MAX_MS = 10_000;
@@ -39,10 +45,20 @@ const state = {
   attempt: 0, // consecutive failed connection attempts, for the backoff
   retryTimer: null,
   eventSeq: 0,
-  // Every turn shown, in order: {user, assistant}, where assistant is the answer's text once
-  // it has ended (stopped answers too: the server keeps them) and null while it is on its
-  // way or when it failed. A new server session after a reconnect is given the answered
-  // turns again (see conversationItems).
+  // The server session the conversation is in: {id, token, lastSeq}, token being the latest
+  // resume_token (null: the server offers no resume) and lastSeq the last sequence_number
+  // processed. null when there is none to resume (never connected, New conversation, or the
+  // server ended it).
+  session: null,
+  // While a new socket asks for the session back: {eventId} of its session.resume, and
+  // `fresh`, the session the socket started with, which the page goes on with if it fails.
+  resuming: null,
+  lostBecause: null, // why the next fresh session is not the one the turns were in
+  // Every turn shown, in order: {user, assistant, onServer}, where assistant is the answer's
+  // text once it has ended (stopped answers too: the server keeps them) and null while it is
+  // on its way or when it failed, and onServer says whether the current server session holds
+  // it. Turns a lost session held can be given to the new one on request (Restore
+  // conversation, see conversationItems).
   turns: [],
   current: null, // the answer being produced, see startAnswer()
   lastSettings: null, // JSON of the session settings last sent, to send only changes
@@ -59,14 +75,7 @@ const credential = { url: undefined, secret: null }; // url: from /page-config.j
  * expires; otherwise the API key typed in Settings, if any. Throws when the backend gives none.
  */
 async function obtainCredential() {
-  if (credential.url === undefined) {
-    try {
-      const response = await fetch("/page-config.json", { cache: "no-store" });
-      credential.url = response.ok ? ((await response.json()).client_secret_url ?? null) : null;
-    } catch {
-      // Unreachable: the socket's attempt reports it, and the next attempt asks again.
-    }
-  }
+  await loadPageConfig();
   if (!credential.url) return sessionStorage.getItem(KEY_STORAGE);
   const secret = credential.secret;
   if (!secret || secret.expires_at * 1000 - Date.now() < SECRET_MARGIN_MS) {
@@ -77,11 +86,25 @@ async function obtainCredential() {
   return credential.secret.value;
 }
 
+/** Learn credential.url from /page-config.json, once; it stays undefined while unreachable. */
+async function loadPageConfig() {
+  if (credential.url !== undefined) return;
+  try {
+    const response = await fetch("/page-config.json", { cache: "no-store" });
+    credential.url = response.ok ? ((await response.json()).client_secret_url ?? null) : null;
+  } catch {
+    // Unreachable: the socket's attempt reports it, and the next attempt asks again.
+  }
+}
+
 // ---------------------------------------------------------------- connection
 
-function socketUrl() {
+/** The socket's URL; a resume names its session, so that a load balancer can route it to the
+ * host that holds the session (the gateway itself ignores the query). */
+function socketUrl(sessionId = null) {
   const scheme = location.protocol === "https:" ? "wss:" : "ws:";
-  return `${scheme}//${location.host}/v1/realtime`;
+  const query = sessionId ? `?session_id=${encodeURIComponent(sessionId)}` : "";
+  return `${scheme}//${location.host}/v1/realtime${query}`;
 }
 
 let connectGeneration = 0; // a connect() superseded while it awaited its credential gives up
@@ -105,21 +128,35 @@ async function connect() {
   // Browsers cannot set an Authorization header on a WebSocket; the Realtime API accepts the
   // key (or a client secret) as a subprotocol instead, next to "realtime".
   const protocols = key ? ["realtime", `openai-insecure-api-key.${key}`] : ["realtime"];
+  const resumable = state.session?.token ? state.session : null;
   let ws;
   try {
-    ws = new WebSocket(socketUrl(), protocols);
+    ws = new WebSocket(socketUrl(resumable?.id), protocols);
   } catch (err) {
-    // A key with characters a subprotocol cannot carry lands here.
-    showError(`Cannot open the connection: ${err.message}`, "connection");
-    askForKey("That API key cannot be sent; check it for spaces or odd characters.");
-    setConnection("offline", "Disconnected");
+    // A key with characters a subprotocol cannot carry lands here (saveKey refuses such
+    // keys; one stored by an older page may remain): forget it and go on without it.
+    sessionStorage.removeItem(KEY_STORAGE);
+    ui.apiKey.value = "";
+    askForKey(`That API key cannot be sent (${err.message}); enter it again.`);
+    scheduleReconnect(false, { code: 1006 });
     return;
   }
   state.ws = ws;
   state.ready = false;
+  state.resuming = resumable ? { eventId: null, fresh: null } : null;
   let opened = false;
   ws.addEventListener("open", () => {
     opened = true;
+    if (ws !== state.ws || !state.resuming) return;
+    // session.resume must be the first event on the connection; the server's
+    // session.created for the socket's own fresh session may still be on its way.
+    const { id, token, lastSeq } = state.session;
+    state.resuming.eventId = send({
+      type: "session.resume",
+      session_id: id,
+      resume_token: token,
+      last_sequence_number: lastSeq,
+    });
   });
   ws.addEventListener("message", (msg) => {
     if (ws !== state.ws) return;
@@ -130,30 +167,55 @@ async function connect() {
       showError("The server sent something that is not JSON.");
       return;
     }
-    handleEvent(event);
+    receive(event);
   });
   ws.addEventListener("close", (ev) => {
-    if (ws !== state.ws) return; // replaced on purpose (New conversation, new key)
+    if (ws !== state.ws) return; // replaced on purpose (New conversation)
     state.ws = null;
     state.ready = false;
-    failCurrent("Connection lost before the answer finished.");
-    // 1000/1001: a normal close or a server going away (the label says so); 1005/1006: no
-    // reason to show. Anything else (too many sessions, a policy) is the server's word to us.
-    if (opened && ![1000, 1001, 1005, 1006].includes(ev.code)) {
-      const reason = ev.reason || "no reason given";
-      showError(`The server closed the connection: ${reason} (${ev.code})`, "connection");
-    }
+    state.resuming = null;
+    if (opened) onConnectionLost(ev);
     updateControls();
     scheduleReconnect(opened, ev);
   });
 }
 
-/** Replace the socket on purpose: the old one's events and close are ignored from now on. */
-function reconnectNow() {
-  const old = state.ws;
-  state.ws = null;
-  state.ready = false;
-  if (old) old.close(1000, "client reconnect");
+/**
+ * What the end of a socket that was open means for the session. A server going away (1001:
+ * shutdown or restart) or handing the session to another socket (4001) has ended it here;
+ * any other end (a network drop: 1006) leaves it on the server for a while, to resume.
+ */
+function onConnectionLost(ev) {
+  // 1000/1001/4001: the label says so; 1005/1006: no reason to show. Anything else (too
+  // many sessions, a policy) is the server's word to us.
+  if (![1000, 1001, 1005, 1006, 4001].includes(ev.code)) {
+    const reason = ev.reason || "no reason given";
+    showError(`The server closed the connection: ${reason} (${ev.code})`, "connection");
+  }
+  if (ev.code === 1001) {
+    endSession("The server restarted");
+    interruptCurrent("the server restarted");
+  } else if (ev.code === 4001) {
+    endSession("Another connection took this conversation over");
+    interruptCurrent("another connection took this conversation over");
+  } else if (state.session?.token) {
+    const cur = state.current;
+    if (cur) setStatus(cur, "reconnecting", "Connection lost — reconnecting…");
+  } else {
+    endSession("The connection was lost");
+    failCurrent("Connection lost before the answer finished.");
+  }
+}
+
+/** The server no longer holds the session: the next one starts afresh, for `reason`. */
+function endSession(reason) {
+  state.session = null;
+  state.lostBecause = reason;
+}
+
+/** Open a new socket now, unless one is open or opening (its handshake uses the new key). */
+function connectNowIfIdle() {
+  if (state.ws) return;
   state.attempt = 0;
   connect();
 }
@@ -172,29 +234,67 @@ async function scheduleReconnect(opened, closeEvent) {
 
 /**
  * A browser reports a refused handshake only as a failed connection, with no status code.
- * Plain HTTP still tells the cases apart: unreachable, model still loading, or refused (the
- * API key, most likely; an origin or session limit otherwise).
+ * Plain HTTP tells the cases apart, asked after the fact: unreachable (a server restarting
+ * or a network down), model still loading (/readyz 503), or refused. Only when the server
+ * itself says 401 to the key this page holds is the key asked for: a server that was down
+ * at the handshake and is back by now must not send the user to the key field.
  */
 async function explainFailedHandshake(closeEvent) {
-  let readiness = null;
-  try {
-    readiness = (await fetch("/readyz", { cache: "no-store" })).status;
-  } catch {
-    readiness = null;
+  const attempt = state.attempt;
+  const readiness = await httpStatus("/readyz");
+  if (state.ready || state.ws) return; // connecting again, or connected, meanwhile
+  if (readiness === null) {
+    // Quiet at first: a restart or a short network drop is over in a second or two.
+    if (attempt === 3 || (attempt > 3 && attempt % 5 === 0)) {
+      showError(`Cannot reach the server (close code ${closeEvent.code}); retrying.`, "connection");
+    }
+    return;
   }
-  if (state.ready) return; // connected meanwhile
   if (readiness === 503) {
     setConnection("connecting", "Model loading — waiting for the server");
-  } else if (readiness !== null) {
+    return;
+  }
+  // A client secret cannot be checked over HTTP (it cannot mint); a refused one was dropped
+  // above and the next attempt gets a new one from the app's backend. Nor is a key asked for
+  // before the page knows which of the two the server wants.
+  await loadPageConfig();
+  if (credential.url !== null || state.ready || state.ws) return;
+  const verdict = await probeApiKey();
+  if (state.ready || state.ws) return;
+  if (verdict === 401) {
     const hasKey = Boolean(sessionStorage.getItem(KEY_STORAGE));
     askForKey(
       hasKey
-        ? "The server refused the connection. Check the API key."
-        : "The server refused the connection. It may need an API key: enter it in Settings.",
+        ? "The server refused the API key. Check it in Settings."
+        : "The server needs an API key: enter it in Settings.",
     );
-  } else if (state.attempt === 1 || state.attempt % 5 === 0) {
-    showError(`Cannot reach the server (close code ${closeEvent.code}); retrying.`, "connection");
+  } else if (verdict === 403) {
+    showError("The server does not accept connections from this page's origin.", "connection");
+  } else if (attempt >= 3 && verdict !== null) {
+    showError("The server refused the connection (too many sessions?); retrying.", "connection");
   }
+}
+
+async function httpStatus(path, init = {}) {
+  try {
+    return (await fetch(path, { cache: "no-store", ...init })).status;
+  } catch {
+    return null; // unreachable
+  }
+}
+
+/**
+ * Does the server take this page's API key (or none)? The one HTTP route that checks a key
+ * is the client secret endpoint, and it checks the key before the body: asked for a lifetime
+ * it refuses (0 s), it answers 401 for a missing or wrong key and 400 otherwise, minting
+ * nothing. 403: the page's origin is not allowed.
+ */
+function probeApiKey() {
+  const key = sessionStorage.getItem(KEY_STORAGE);
+  const headers = { "Content-Type": "application/json" };
+  if (key) headers.Authorization = `Bearer ${key}`;
+  const body = JSON.stringify({ expires_after: { anchor: "created_at", seconds: 0 } });
+  return httpStatus("/v1/realtime/client_secrets", { method: "POST", headers, body });
 }
 
 function setConnection(kind, label) {
@@ -209,7 +309,8 @@ function askForKey(message) {
   ui.apiKeyField.classList.add("attention");
   ui.apiKeyHint.textContent = message;
   showError(message, "connection");
-  if (firstAsk) ui.apiKey.focus(); // once: later retries must not steal the focus
+  // Once (later retries must not steal the focus), and not from under a message being typed.
+  if (firstAsk && !ui.prompt.value) ui.apiKey.focus();
 }
 
 function send(event) {
@@ -222,41 +323,126 @@ function send(event) {
 
 // ---------------------------------------------------------------- server events
 
+/** Every event of the live socket comes here first: the resume handshake, then numbering. */
+function receive(event) {
+  if (state.resuming) return receiveWhileResuming(event);
+  if (event.type === "session.created") return onSessionCreated(event);
+  const seq = event.sequence_number;
+  if (typeof seq === "number" && state.session) {
+    // A safety net: the server replays only what comes after lastSeq, so nothing is seen twice.
+    if (seq <= state.session.lastSeq) return undefined;
+    state.session.lastSeq = seq;
+  }
+  return handleEvent(event);
+}
+
+/** Until the server answers session.resume: session.resumed, or an error for it. */
+function receiveWhileResuming(event) {
+  const resuming = state.resuming;
+  if (event.type === "session.created") {
+    resuming.fresh = event; // the socket's own session, for the case the resume fails
+  } else if (event.type === "session.resumed") {
+    state.resuming = null;
+    onSessionResumed(event);
+  } else if (event.type === "error") {
+    // The page has sent nothing but session.resume on this socket: the error is its answer
+    // (session_not_found, resume_gap; from a gateway without resume, an unknown event).
+    state.resuming = null;
+    onResumeFailed(resuming.fresh, event);
+  }
+}
+
 function handleEvent(event) {
   switch (event.type) {
-    case "session.created":
-      return onSessionCreated(event.session ?? {});
     case "response.created":
       return onResponseCreated(event.response);
     case "response.output_text.delta":
       return onDelta(event);
     case "response.done":
       return onResponseDone(event.response);
+    case "conversation.item.retrieved":
+      return onItemChecked(event.item?.id, true);
     case "error":
+      if (state.current?.checkEventId && event.error?.event_id === state.current.checkEventId) {
+        return onItemChecked(state.current.itemId, false);
+      }
       return onError(event.error ?? {});
     default:
       return undefined; // session.updated, item and part lifecycle events: nothing to show
   }
 }
 
-function onSessionCreated(session) {
-  const reconnected = state.everReady;
-  // Start from the server's default instructions (a small model needs some) unless
-  // the user has written their own.
-  if (!reconnected && !ui.instructions.value && session.instructions) {
-    ui.instructions.value = session.instructions;
+function sessionOf(created) {
+  const token = typeof created.resume_token === "string" ? created.resume_token : null;
+  return { id: created.session?.id ?? null, token, lastSeq: created.sequence_number ?? 0 };
+}
+
+/** A fresh server session on a socket that did not ask to resume. */
+function onSessionCreated(created) {
+  state.session = sessionOf(created);
+  if (state.everReady) sessionReplaced(state.lostBecause ?? "The connection was lost");
+  startSession(created.session ?? {});
+}
+
+/** The server took the page back into its session: the replay follows, then live events. */
+function onSessionResumed(resumed) {
+  state.session.id = resumed.session?.id ?? state.session.id;
+  state.session.token = resumed.resume_token ?? null; // the old one is spent
+  markReady();
+  const cur = state.current;
+  if (cur) {
+    if (cur.firstDeltaAt === null) setStatus(cur, "waiting", "Waiting for the model…");
+    else setStatus(cur, "streaming", "Streaming…");
+    cur.stopRequested = false; // a cancel sent as the socket died may be lost: Stop again
+    // Had the server received the question and its response.create before the drop, their
+    // events are in the replay, ahead of anything asked now. So ask for the question's item:
+    // by the answer, a response.created not seen means the server never got it.
+    if (!cur.responseId) {
+      cur.checkEventId = send({ type: "conversation.item.retrieve", item_id: cur.itemId });
+    }
   }
-  adoptServerSampling(session);
+  updateControls();
+}
+
+/** The resume was refused (session_not_found, resume_gap): go on as the socket's fresh session. */
+function onResumeFailed(fresh, error) {
+  const code = error.error?.code;
+  state.session = fresh ? sessionOf(fresh) : null;
+  if (state.session && typeof error.sequence_number === "number") {
+    state.session.lastSeq = error.sequence_number;
+  }
+  interruptCurrent("the connection was lost and the answer could not be recovered");
+  const reason =
+    code === "resume_gap"
+      ? "The connection was away too long to resume without losing part of the answer"
+      : "The connection was lost and could not be resumed";
+  sessionReplaced(reason);
+  startSession(fresh?.session ?? {});
+}
+
+function markReady() {
   state.ready = true;
   state.everReady = true;
   state.attempt = 0;
-  state.lastSettings = null;
+  state.lostBecause = null;
+  state.lastSettings = null; // a session.update sent as the socket died may be lost
   setConnection("connected", "Connected");
   ui.apiKeyField.classList.remove("attention");
   ui.apiKeyHint.textContent = "Kept in this tab only (sessionStorage).";
   hideError("connection");
   syncSettings();
-  if (reconnected) restoreConversation();
+}
+
+/** A new server session: adopt its defaults, send the page's settings. */
+function startSession(session) {
+  const first = !state.everReady;
+  // Start from the server's default instructions (a small model needs some) unless
+  // the user has written their own.
+  if (first && !ui.instructions.value && session.instructions) {
+    ui.instructions.value = session.instructions;
+  }
+  adoptServerSampling(session);
+  markReady();
   updateControls();
   showEngine();
 }
@@ -289,18 +475,80 @@ function conversationItems(turns) {
   return items;
 }
 
-/** A new server session knows nothing: give it the conversation this page has shown. */
+/**
+ * The page is in a new server session that knows nothing of the turns shown so far. Say so,
+ * and offer to give it those turns; never on its own: re-sending a long history costs the
+ * next answer its time to first token, and the user may want a fresh start.
+ */
+function sessionReplaced(reason) {
+  for (const turn of state.turns) turn.onServer = false;
+  if (!state.turns.length) return;
+  const count = conversationItems(state.turns).length;
+  for (const old of ui.messages.querySelectorAll('[data-testid="restore"]')) old.remove();
+  const note = addNote(
+    `${reason}, so the server no longer holds this conversation: ` +
+      "the next message starts a new one.",
+  );
+  note.classList.add("lost");
+  if (!count) return;
+  const button = document.createElement("button");
+  button.type = "button";
+  button.className = "link";
+  button.dataset.testid = "restore";
+  button.textContent = "Restore conversation";
+  button.title = `Send the ${count} earlier messages to the server, so the model sees them`;
+  button.addEventListener("click", restoreConversation);
+  note.append(" ", button);
+  updateControls();
+}
+
+/** Give the server session the answered turns it does not hold, ahead of any it does. */
 function restoreConversation() {
-  const items = conversationItems(state.turns);
+  if (!state.ready) return;
+  const turns = state.turns.filter((turn) => !turn.onServer);
+  const items = conversationItems(turns);
+  let previous = "root"; // before any turn this session already has, in the page's order
   for (const item of items) {
-    send({ type: "conversation.item.create", item: { type: "message", ...item } });
+    const id = newItemId();
+    send({
+      type: "conversation.item.create",
+      previous_item_id: previous,
+      item: { id, type: "message", ...item },
+    });
+    previous = id;
   }
-  const unanswered = state.turns.filter((turn) => !turn.assistant).length;
-  if (!items.length && !unanswered) return;
-  let note = `Reconnected — ${items.length} earlier messages restored on the server.`;
+  for (const turn of turns) turn.onServer = true;
+  for (const old of ui.messages.querySelectorAll('[data-testid="restore"]')) old.remove();
+  const unanswered = turns.filter((turn) => !turn.assistant).length;
+  let note = `${items.length} earlier messages restored on the server.`;
   if (unanswered === 1) note += " The question without an answer was left out.";
   if (unanswered > 1) note += ` ${unanswered} questions without an answer were left out.`;
   addNote(note);
+}
+
+/** An id for an item the page creates (so it can ask for it after a resume). */
+function newItemId() {
+  const bytes = crypto.getRandomValues(new Uint8Array(12));
+  return `item_web_${Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("")}`;
+}
+
+/**
+ * The answer to the check after a resume (see onSessionResumed): the question's item is on
+ * the server (`found`) or not. If its response never started there, ask again for what the
+ * drop swallowed.
+ */
+function onItemChecked(itemId, found) {
+  const cur = state.current;
+  if (!cur || !cur.checkEventId || itemId !== cur.itemId) return;
+  cur.checkEventId = null;
+  if (cur.responseId) return; // it started: its events were in the replay
+  if (cur.stopRequested) {
+    setStatus(cur, "stopped", "Stopped");
+    finishCurrent();
+    return;
+  }
+  if (!found) sendUserItem(cur.turn.user, cur.itemId);
+  cur.createEventId = send({ type: "response.create" });
 }
 
 function onResponseCreated(response) {
@@ -352,6 +600,13 @@ function describeOutcome(response) {
     case "completed":
       return { kind: "completed", label: "Completed" };
     case "cancelled":
+      // Only the user's Stop is "Stopped"; the gateway's own reasons say what happened.
+      if (details.gateway_reason === "server_shutdown") {
+        return { kind: "interrupted", label: "Interrupted: the server restarted" };
+      }
+      if (details.gateway_reason) {
+        return { kind: "interrupted", label: "Interrupted: the connection was lost" };
+      }
       return { kind: "stopped", label: "Stopped" };
     case "incomplete":
       if (details.reason === "max_output_tokens") {
@@ -409,22 +664,27 @@ function sendMessage() {
   const text = ui.prompt.value;
   if (!text.trim() || !state.ready || state.current) return;
   syncSettings();
-  const itemEventId = send({
-    type: "conversation.item.create",
-    item: { type: "message", role: "user", content: [{ type: "input_text", text }] },
-  });
-  if (!itemEventId) return;
+  const itemId = newItemId();
+  if (!sendUserItem(text, itemId)) return;
   addUserMessage(text);
-  const turn = { user: text, assistant: null };
+  const turn = { user: text, assistant: null, onServer: true };
   state.turns.push(turn);
   ui.prompt.value = "";
   autoGrow();
-  startAnswer(turn);
+  startAnswer(turn, itemId);
   state.current.createEventId = send({ type: "response.create" });
   updateControls();
 }
 
-function startAnswer(turn) {
+/** The user's message as a conversation item, with an id of the page's own. */
+function sendUserItem(text, itemId) {
+  return send({
+    type: "conversation.item.create",
+    item: { id: itemId, type: "message", role: "user", content: [{ type: "input_text", text }] },
+  });
+}
+
+function startAnswer(turn, itemId) {
   const el = document.createElement("article");
   el.className = "message assistant pending";
   const textEl = document.createElement("div");
@@ -437,6 +697,8 @@ function startAnswer(turn) {
   appendToMessages(el);
   state.current = {
     turn,
+    itemId, // the question's item
+    checkEventId: null, // the item check after a resume, while unanswered
     el,
     textEl,
     statusEl,
@@ -467,27 +729,46 @@ function failCurrent(reason) {
   finishCurrent();
 }
 
+/** The answer ended without a response.done the page saw, and not by the user's Stop. */
+function interruptCurrent(reason) {
+  if (!state.current) return;
+  setStatus(state.current, "interrupted", `Interrupted: ${reason}`);
+  finishCurrent();
+}
+
 function stopAnswer() {
   const cur = state.current;
   if (!cur) return;
   // Without an id the server cancels the session's active response, which is this one: the
   // response.create went out before this cancel on the same ordered socket.
   const cancel = { type: "response.cancel" };
-  send(cur.responseId ? { ...cancel, response_id: cur.responseId } : cancel);
+  // While the check after a resume runs (onItemChecked), the server may never have got the
+  // response.create: the check's answer ends the answer instead.
+  if (cur.responseId) send({ ...cancel, response_id: cur.responseId });
+  else if (!cur.checkEventId) send(cancel);
   cur.stopRequested = true;
   setStatus(cur, cur.statusEl.dataset.status, "Stopping…");
   updateControls();
 }
 
 function newConversation() {
-  // A new socket is a new server session: nothing of the old conversation survives there.
+  // A new socket is a new server session. Closing the old one (a close frame) ends its
+  // session on the server at once: nothing of the old conversation survives there.
   state.current = null;
   state.turns = [];
   state.everReady = false;
+  state.session = null;
+  state.resuming = null;
+  state.lostBecause = null;
   for (const el of [...ui.messages.children]) if (el !== ui.empty) el.remove();
   ui.empty.hidden = false;
   hideError();
-  reconnectNow();
+  const old = state.ws;
+  state.ws = null;
+  state.ready = false;
+  if (old) old.close(1000, "new conversation");
+  state.attempt = 0;
+  connect();
   updateControls();
   ui.prompt.focus();
 }
@@ -538,12 +819,24 @@ function syncSettings() {
   if (send({ type: "session.update", session: settings })) state.lastSettings = json;
 }
 
+// What a WebSocket subprotocol can carry (an HTTP token): anything else would throw.
+const SENDABLE_KEY = /^[!#$%&'*+.^_`|~0-9A-Za-z-]*$/;
+
 function saveKey() {
   const key = ui.apiKey.value.trim();
   if (key === (sessionStorage.getItem(KEY_STORAGE) ?? "")) return;
+  if (!SENDABLE_KEY.test(key)) {
+    ui.apiKeyField.classList.add("attention");
+    ui.apiKeyHint.textContent =
+      "Not saved: an API key has no spaces or odd characters. The page goes on as before.";
+    return;
+  }
   if (key) sessionStorage.setItem(KEY_STORAGE, key);
   else sessionStorage.removeItem(KEY_STORAGE);
-  reconnectNow(); // the key travels in the handshake, so only a new connection uses it
+  ui.apiKeyHint.textContent = "Kept in this tab only (sessionStorage).";
+  // The key travels in the handshake: a connection open (or opening) keeps its session and
+  // the next handshake uses the key; one waiting to retry tries now.
+  connectNowIfIdle();
 }
 
 // ---------------------------------------------------------------- view helpers
@@ -565,6 +858,7 @@ function addNote(text) {
   el.dataset.testid = "note";
   el.textContent = text;
   appendToMessages(el);
+  return el;
 }
 
 function appendToMessages(el) {
@@ -612,6 +906,9 @@ function updateControls() {
   ui.send.disabled = !state.ready || streaming || !ui.prompt.value.trim();
   ui.stop.disabled = !state.ready || !streaming || Boolean(state.current?.stopRequested);
   ui.composer.classList.toggle("busy", streaming);
+  for (const button of ui.messages.querySelectorAll('[data-testid="restore"]')) {
+    button.disabled = !state.ready;
+  }
 }
 
 function autoGrow() {
@@ -660,6 +957,9 @@ function setSettingsOpen(open) {
   document.body.classList.toggle("settings-open", open);
   ui.toggleSettings.setAttribute("aria-expanded", String(open));
 }
+
+// A network that comes back need not wait for the backoff.
+window.addEventListener("online", connectNowIfIdle);
 
 setSettingsOpen(window.matchMedia("(min-width: 900px)").matches);
 ui.apiKey.value = sessionStorage.getItem(KEY_STORAGE) ?? "";
