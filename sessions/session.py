@@ -148,6 +148,7 @@ class Session:
         self._closing: _Close | None = None
         self._close_requested = False
         self._resume_token = secrets.token_urlsafe(24)  # 192 bits; never logged
+        self._previous_token: str | None = None  # see resume()
         self._expiry: asyncio.TimerHandle | None = None
         self.outbox.on_overflow = lambda: self._inbox.put_nowait(_Overflow())
         self.outbox.put(
@@ -200,13 +201,16 @@ class Session:
         above ``last_sequence_number``, then live events. None on success, else the
         error code: ``session_not_found`` (ended, or a wrong token: a guess learns
         nothing) or ``resume_gap`` (some of those events are no longer kept)."""
-        if self.ending or not hmac.compare_digest(token.encode(), self._resume_token.encode()):
+        if self.ending or not self._token_matches(token):
             return "session_not_found"
         replay = self.outbox.replay_after(last_sequence_number)
         if replay is None:
             return "resume_gap"
         self._cancel_expiry()
-        self._resume_token = secrets.token_urlsafe(24)  # the old one is spent
+        # A fresh token; the one presented stays valid beside it until the client shows it
+        # has the fresh one: if this connection drops before session.resumed reaches the
+        # client, its next resume (with the token it holds) must still work.
+        self._previous_token, self._resume_token = token, secrets.token_urlsafe(24)
         resumed = p.encode(
             p.event(
                 "session.resumed",
@@ -219,6 +223,15 @@ class Session:
         if self.metrics is not None:
             self.metrics.replayed_events.inc(len(replay))
         return None
+
+    def _token_matches(self, token: str) -> bool:
+        # Both compared, in constant time: which one matched (or whether) does not show.
+        presented = token.encode()
+        current = hmac.compare_digest(presented, self._resume_token.encode())
+        previous = self._previous_token is not None and hmac.compare_digest(
+            presented, self._previous_token.encode()
+        )
+        return current or previous
 
     def _cancel_expiry(self) -> None:
         if self._expiry is not None:

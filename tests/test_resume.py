@@ -348,3 +348,33 @@ async def test_a_load_balancer_routes_a_resume_by_the_session_id() -> None:
             client.session_id, client.token, client.last, client.events = held
         assert outcomes == {"session.resumed", "error"}
         await client.close()
+
+
+async def test_a_resume_cut_before_session_resumed_arrives_can_be_retried() -> None:
+    """The token rotates at each resume; the client that never saw the new one (its
+    connection dropped first) still gets its session back with the one it holds."""
+    async with running_gateway(SimEngine(step_ms=2, response_tokens=8)) as gw:
+        client = Resumable(gw.ws_url)
+        await client.open()
+        held = (client.session_id, client.token, client.last, client.events)
+        client.drop()
+        await client.open()
+        await client.send(
+            {
+                "type": "session.resume",
+                "session_id": held[0],
+                "resume_token": held[1],
+                "last_sequence_number": held[2],
+            }
+        )
+        client.drop()  # before reading session.resumed: its fresh token is lost
+        client.session_id, client.token, client.last, client.events = held
+        again = await client.resume()
+        assert again["type"] == "session.resumed", again
+        # The token the server issued last works too, and then only the newest ones do.
+        client.drop()
+        assert (await client.resume())["type"] == "session.resumed"
+        client.drop()
+        stale = await client.resume(token=held[1])
+        assert stale["type"] == "error" and stale["error"]["code"] == "session_not_found"
+        await client.close()
