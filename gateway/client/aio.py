@@ -1,10 +1,16 @@
-"""The asyncio client: one :class:`AsyncChat` per WebSocket, one conversation per chat.
+"""The asyncio client: one :class:`AsyncChat` per conversation, over one WebSocket at a time.
 
 There is no background reader task. Whoever needs the next server event (an iterating
 stream, a ``cancel()``, an ``update()``) takes the read lock, receives one event and
 dispatches it to its owner (the active stream, or a request waiting for its answer), then
 checks whether its own wait is over. So nothing is buffered behind the library's back,
 the gateway feels the reader's pace (back-pressure), and no task outlives the chat.
+
+When the connection drops (no close frame from the gateway), the reader that notices it
+reconnects and resumes the session (gateway/client/resume.py) before it receives on: the
+gateway replays what the dropped connection lost, so waits go on as if nothing happened.
+Only the reader, holding the read lock, ever swaps the socket; a send that finds the
+socket dead is left to be sent again after the resume (see ``Unconfirmed``).
 """
 
 from __future__ import annotations
@@ -16,12 +22,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Generator, Mapping
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Unpack
 
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.frames import Close
 
 from gateway.client import events
 from gateway.client.errors import (
@@ -34,11 +42,34 @@ from gateway.client.errors import (
 )
 from gateway.client.events import JSON, ResponseOptions, SessionOptions
 from gateway.client.reply import Reply, failure_of, reply_from_done
+from gateway.client.resume import (
+    RESUME_TIMEOUT,
+    Cursor,
+    Unconfirmed,
+    backoff,
+    is_drop,
+    resume_url,
+)
 
 logger = logging.getLogger("gateway.client")
 
 DEFAULT_TIMEOUT = 120.0
 """Seconds to wait for any one server event (not for a whole answer) before giving up."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Dialer:
+    """How to reach the gateway again: the first connection's URL and credentials."""
+
+    url: str
+    api_key: str | None
+    timeout: float | None
+    resume: bool
+    resume_timeout: float
+
+
+class _Retry(Exception):
+    """One reconnection attempt failed in a way that another attempt may not (its cause)."""
 
 
 class _Waiter:
@@ -63,10 +94,18 @@ class AsyncChat:
     conversations at once, open several chats (e.g. ``asyncio.gather`` over ``connect()``).
     """
 
-    def __init__(self, ws: ClientConnection, session: JSON, timeout: float | None) -> None:
+    def __init__(self, ws: ClientConnection, created: JSON, dialer: _Dialer) -> None:
         self._ws = ws
-        self.session: JSON = session  # the gateway's view of the session settings
-        self.timeout = timeout
+        self._dialer = dialer
+        session = created.get("session")
+        self.session: JSON = session if isinstance(session, dict) else {}  # the gateway's view
+        self.timeout = dialer.timeout
+        self._cursor = Cursor(created)
+        self._connection = 0  # which connection ``_ws`` is: +1 per resume
+        self._unconfirmed = Unconfirmed()
+        self._resend: list[JSON] = []  # lost requests to send again, now that a fence told
+        self._closing = False
+        self._resume_failed = False
         self._ids = events.EventIds()
         self._read_lock = asyncio.Lock()
         self._turn_lock = asyncio.Lock()
@@ -87,18 +126,23 @@ class AsyncChat:
         *,
         api_key: str | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,  # noqa: ASYNC109 (bounds each wait, not the call)
+        resume: bool = True,
+        resume_timeout: float = RESUME_TIMEOUT,
         **options: Unpack[SessionOptions],
     ) -> AsyncChat:
         """Connect, wait for ``session.created`` and apply ``options`` with ``session.update``."""
-        ws = await _open_socket(events.resolve_url(url), api_key, timeout)
+        dialer = _Dialer(events.resolve_url(url), api_key, timeout, resume, resume_timeout)
+        ws = await _open_socket(dialer.url, api_key, timeout)
         try:
-            first = await _recv_json(ws, timeout)
+            try:
+                first = await _recv_json(ws, timeout)
+            except ConnectionClosed as exc:
+                raise _lost(exc) from None
             if first.get("type") == "error":
                 raise GatewayError.from_event(first)
             if first.get("type") != "session.created":
                 raise ClientError(f"expected session.created first, got {first.get('type')!r}")
-            session = first.get("session")
-            chat = cls(ws, session if isinstance(session, dict) else {}, timeout)
+            chat = cls(ws, first, dialer)
             if options:
                 await chat.update(**options)
         except BaseException:
@@ -107,7 +151,12 @@ class AsyncChat:
         return chat
 
     async def close(self) -> None:
-        """Close the WebSocket; the gateway stops whatever this chat still had running."""
+        """Close the WebSocket; the gateway stops whatever this chat still had running.
+
+        (If the connection is down at that moment, the gateway lets the session go when
+        its resume window ends.)
+        """
+        self._closing = True
         await self._ws.close()
 
     async def __aenter__(self) -> AsyncChat:
@@ -161,7 +210,19 @@ class AsyncChat:
 
     @property
     def closed(self) -> bool:
-        return self._ws.close_code is not None
+        """True once the chat cannot be used any more: closed, or its connection lost for
+        good. A dropped connection that the next call will resume does not count."""
+        if self._closing or self._resume_failed:
+            return True
+        ws = self._ws
+        return ws.close_code is not None and not self._may_resume(
+            ws.protocol.close_rcvd, ws.protocol.close_sent
+        )
+
+    @property
+    def session_id(self) -> str | None:
+        """The gateway's id of this conversation (it stays the same across resumes)."""
+        return self._cursor.session_id
 
     # -- turns ------------------------------------------------------------------------
 
@@ -189,7 +250,10 @@ class AsyncChat:
             self._active = stream  # from here on, cancel() sends response.cancel
         finally:
             self._starting = None
-        await self._send(events.response_create(event_id, stream.options))
+        await self._send(
+            events.response_create(event_id, stream.options),
+            until=lambda: stream.response_id is None and not stream.finished,
+        )
 
     async def _add_user_message(self, text: str) -> None:
         item_id = self._ids.item()
@@ -206,10 +270,14 @@ class AsyncChat:
         # with conversation.item.added/done, which must not be taken for this acknowledgement.
         await self._request(events.user_message(self._ids.event(), item_id, text), is_our_item)
 
-    async def _send_cancel(self, response_id: str | None) -> None:
+    async def _send_cancel(
+        self, response_id: str | None, until: Callable[[], bool] = lambda: False
+    ) -> None:
+        """Send ``response.cancel``; ``until()``: whether it still needs to reach the gateway
+        (after a resume)."""
         eid = self._ids.event()
         self._cancel_ids.append(eid)
-        await self._send(events.response_cancel(eid, response_id))
+        await self._send(events.response_cancel(eid, response_id), until=until)
 
     # -- the event pump ---------------------------------------------------------------
 
@@ -218,7 +286,7 @@ class AsyncChat:
         waiter = _Waiter(str(event["event_id"]), accept)
         self._waiters.append(waiter)
         try:
-            await self._send(event)
+            await self._send(event, until=lambda: not waiter.done and waiter in self._waiters)
             await self._pump(lambda: waiter.done)
         finally:
             self._waiters.remove(waiter)
@@ -238,14 +306,147 @@ class AsyncChat:
             async with self._read_lock:
                 if done():
                     return
-                self._dispatch(await _recv_json(self._ws, self.timeout))
+                self._dispatch(await self._receive())
+                while self._resend:  # a fence was answered: these never reached the gateway
+                    await self._send_frame(self._resend.pop(0))
 
-    async def _send(self, event: JSON) -> None:
+    async def _receive(self) -> JSON:
+        """The next new event of the session; resumes it first if the connection dropped.
+        The caller holds the read lock."""
+        while True:
+            try:
+                event = await _recv_json(self._ws, self.timeout)
+            except ConnectionClosed as exc:
+                if not self._may_resume(exc.rcvd, exc.sent):
+                    raise _lost(exc) from None
+                await self._resume()
+                continue
+            if self._cursor.accept(event):  # else a replayed event processed already
+                return event
+
+    async def _send(self, event: JSON, *, until: Callable[[], bool]) -> None:
+        """Send a request; ``until()`` tells whether it still awaits its answer, which is
+        how a resume knows whether it may have been lost with the connection."""
+        self._unconfirmed.add(event, self._connection, until)
+        await self._send_frame(event)
+
+    async def _send_frame(self, event: JSON) -> None:
+        ws = self._ws
         try:
             async with _deadline(self.timeout, "sending to the gateway"):
-                await self._ws.send(json.dumps(event))
+                await ws.send(json.dumps(event))
         except ConnectionClosed as exc:
-            raise _lost(exc) from None
+            if not self._may_resume(exc.rcvd, exc.sent):
+                raise _lost(exc) from None
+            # The connection dropped: the next read resumes the session, and the fence
+            # sent then tells whether this event must go again.
+
+    # -- resuming ---------------------------------------------------------------------
+
+    def _may_resume(self, rcvd: Close | None, sent: Close | None) -> bool:
+        return (
+            self._dialer.resume
+            and not self._closing
+            and not self._resume_failed
+            and self._cursor.resumable
+            and is_drop(rcvd, sent)
+        )
+
+    async def _resume(self) -> None:
+        """Reconnect and take the session back, retrying with a short backoff until
+        ``resume_timeout``; raises :class:`ConnectionLost` if that cannot be done.
+
+        The caller holds the read lock: nobody reads meanwhile, and sends go to the dead
+        socket, to be sent again if need be (see :class:`Unconfirmed`).
+        """
+        loop = asyncio.get_running_loop()
+        limit = self._dialer.resume_timeout
+        deadline = loop.time() + limit
+        url = resume_url(self._dialer.url, str(self._cursor.session_id))
+        logger.info("connection lost; resuming session %s", self._cursor.session_id)
+        delays = backoff()
+        why: BaseException | None = None  # the latest failure, a timeout only if nothing else
+        try:
+            while (left := deadline - loop.time()) > 0:
+                try:
+                    ws, resumed = await self._resume_on(url, left)
+                    break
+                except _Retry as retry:
+                    failure = retry.__cause__ or retry
+                    if why is None or not isinstance(failure, TimeoutError):
+                        why = failure
+                    logger.debug("resume attempt failed (%r); retrying", failure)
+                    await asyncio.sleep(min(next(delays), max(0.0, deadline - loop.time())))
+            else:
+                raise ConnectionLost(
+                    f"the connection to the gateway was lost, and no new one could resume "
+                    f"the session within {limit:g} s: {why or 'no attempt finished'}"
+                ) from why
+        except ConnectionLost:
+            self._resume_failed = True
+            raise
+        self._adopt(ws, resumed)
+        if self._closing:  # close() ran meanwhile: it closed the old socket, not this one
+            await ws.close()
+            raise ConnectionLost("the chat was closed while its connection was being resumed")
+        logger.info("session %s resumed after event %d", self._cursor.session_id, self._cursor.last)
+        if self._unconfirmed.any_before(self._connection):
+            # Some request went out on a connection that dropped before its answer came.
+            # The gateway answers this fence (an error: no such item) only after whatever
+            # it received before, and the dispatcher then sends again what is still
+            # unanswered (a response.create must not be sent twice).
+            eid = self._ids.event()
+            self._unconfirmed.fence(eid, self._connection)
+            await self._send_frame(events.item_retrieve(eid, self._ids.item()))
+
+    async def _resume_on(self, url: str, seconds: float) -> tuple[ClientConnection, JSON]:
+        """One attempt: a new connection, its own ``session.created``, then ``session.resume``
+        and the answer. Raises :class:`_Retry`, or :class:`ConnectionLost` if refused."""
+        if self.timeout is not None:
+            seconds = min(seconds, self.timeout)
+        ws: ClientConnection | None = None
+        try:
+            async with asyncio.timeout(seconds):
+                ws = await _open_socket(url, self._dialer.api_key, None)
+                created = await _recv_json(ws, None)
+                if created.get("type") != "session.created":
+                    raise _Retry(f"expected session.created, got {created.get('type')!r}")
+                await ws.send(json.dumps(self._cursor.resume_event()))
+                answer = await _recv_json(ws, None)
+        except HandshakeRefused as exc:
+            if exc.status >= 500:  # overloaded, or restarting: the next attempt may pass
+                raise _Retry from exc
+            raise ConnectionLost(f"the connection to the gateway was lost: {exc}") from exc
+        except _Retry:
+            if ws is not None:
+                ws.transport.abort()
+            raise
+        except (GatewayUnavailable, ConnectionClosed, TimeoutError) as exc:
+            if ws is not None:
+                ws.transport.abort()
+            raise _Retry from exc
+        except BaseException:
+            if ws is not None:
+                ws.transport.abort()
+            raise
+        if answer.get("type") == "session.resumed":
+            return ws, answer
+        await _close_quietly(ws)  # a close frame ends the fresh session it started as
+        code = GatewayError.from_event(answer).code if answer.get("type") == "error" else None
+        why = _RESUME_REFUSALS.get(code, f"the gateway answered {answer.get('type')!r}")
+        raise ConnectionLost(
+            f"the connection to the gateway was lost and the conversation cannot be resumed: {why}",
+            resume_error=code,
+        )
+
+    def _adopt(self, ws: ClientConnection, resumed: JSON) -> None:
+        old, self._ws = self._ws, ws
+        old.transport.abort()  # gone already; nothing of it may linger
+        self._connection += 1
+        self._cursor.resumed(resumed)
+        session = resumed.get("session")
+        if isinstance(session, dict):
+            self.session = session
 
     def _dispatch(self, event: JSON) -> None:
         if event.get("type") == "error":
@@ -261,6 +462,10 @@ class AsyncChat:
         # Anything else (conversation.item.added, an older response's tail...) is informational.
 
     def _dispatch_error(self, err: GatewayError) -> None:
+        lost = self._unconfirmed.fence_answered(err.event_id, self._connection)
+        if lost is not None:
+            self._resend.extend(lost)
+            return
         if err.event_id is not None and err.event_id in self._cancel_ids:
             self._cancel_ids.remove(err.event_id)  # the answer had ended before the cancel
             return
@@ -376,7 +581,7 @@ class AsyncStream:
             # in recv() after the last event this turn will ever get.
             await self._ended.wait()
             return self._reply
-        await self._chat._send_cancel(self.response_id)
+        await self._chat._send_cancel(self.response_id, until=lambda: not self._finished)
         await self._chat._pump(lambda: self._finished)
         return self._reply
 
@@ -462,21 +667,41 @@ class AsyncStream:
                 await self._chat._send_cancel(self.response_id)
 
 
+_RESUME_REFUSALS: dict[str | None, str] = {
+    "session_not_found": "the gateway no longer holds it (session_not_found: its resume "
+    "window is over, or the gateway restarted)",
+    "resume_gap": "the gateway no longer keeps every event this client missed (resume_gap)",
+}
+
+
 class Connect:
     """What :func:`connect` returns: ``async with`` it, or ``await`` it (then close the chat)."""
 
     def __init__(
-        self, url: str | None, api_key: str | None, timeout: float | None, options: SessionOptions
+        self,
+        url: str | None,
+        api_key: str | None,
+        timeout: float | None,
+        resume: bool,
+        resume_timeout: float,
+        options: SessionOptions,
     ) -> None:
         self._url = url
         self._api_key = api_key
         self._timeout = timeout
+        self._resume = resume
+        self._resume_timeout = resume_timeout
         self._options = options
         self._chat: AsyncChat | None = None
 
     def __await__(self) -> Generator[Any, None, AsyncChat]:
         return AsyncChat.open(
-            self._url, api_key=self._api_key, timeout=self._timeout, **self._options
+            self._url,
+            api_key=self._api_key,
+            timeout=self._timeout,
+            resume=self._resume,
+            resume_timeout=self._resume_timeout,
+            **self._options,
         ).__await__()
 
     async def __aenter__(self) -> AsyncChat:
@@ -498,16 +723,21 @@ def connect(
     *,
     api_key: str | None = None,
     timeout: float | None = DEFAULT_TIMEOUT,
+    resume: bool = True,
+    resume_timeout: float = RESUME_TIMEOUT,
     **options: Unpack[SessionOptions],
 ) -> Connect:
     """Open a conversation: ``async with connect(url, instructions=...) as chat``.
 
     ``url`` defaults to ``$GATEWAY_URL``, then ``ws://127.0.0.1:8765/v1/realtime``.
     ``timeout`` bounds every wait for the gateway (seconds; ``None``: wait forever).
+    ``resume``: when the connection drops, reconnect and resume the session, trying for
+    up to ``resume_timeout`` seconds, so that calls go on unaware (``False``: raise
+    :class:`ConnectionLost` at once).
     ``options`` (instructions, max_output_tokens, temperature, top_p, seed, stop) are sent
     with ``session.update`` and apply to every answer.
     """
-    return Connect(url, api_key, timeout, options)
+    return Connect(url, api_key, timeout, resume, resume_timeout, options)
 
 
 # -- socket helpers ---------------------------------------------------------------------
@@ -545,12 +775,12 @@ def _refused(exc: InvalidStatus) -> HandshakeRefused:
 
 
 async def _recv_json(ws: ClientConnection, seconds: float | None) -> JSON:
-    """The next server event. Cancelling ``recv`` loses nothing, so the timeout is safe."""
-    try:
-        async with _deadline(seconds, "waiting for the gateway"):
-            frame = await ws.recv()
-    except ConnectionClosed as exc:
-        raise _lost(exc) from None
+    """The next server event; raises ``ConnectionClosed`` for the caller to judge.
+
+    Cancelling ``recv`` loses nothing, so the timeout is safe.
+    """
+    async with _deadline(seconds, "waiting for the gateway"):
+        frame = await ws.recv()
     try:
         event = json.loads(frame)
     except ValueError:
@@ -558,6 +788,14 @@ async def _recv_json(ws: ClientConnection, seconds: float | None) -> JSON:
     if not isinstance(event, dict):
         raise ClientError(f"the gateway sent a frame that is not an event: {frame[:80]!r}")
     return event
+
+
+async def _close_quietly(ws: ClientConnection) -> None:
+    try:
+        async with asyncio.timeout(2.0):
+            await ws.close()
+    except TimeoutError:
+        ws.transport.abort()
 
 
 def _lost(exc: ConnectionClosed) -> ConnectionLost:
