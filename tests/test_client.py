@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc as garbage
+import itertools
 import json
 import os
 import pty
@@ -27,10 +28,11 @@ from types import TracebackType
 from typing import Any
 
 import pytest
+from websockets.frames import Close
 
 import gateway.client as gc
 from gateway.client import cli
-from gateway.client.resume import Cursor, Unconfirmed, resume_url
+from gateway.client.resume import Cursor, Unconfirmed, backoff, is_drop, resume_url
 from gateway.engines.sim import SimEngine
 from tests.harness import RawClient, RunningGateway, running_gateway
 
@@ -541,6 +543,7 @@ async def test_answers_survive_connections_dropped_at_random(
     cuts: list[float] = []
     async with gc.connect(story_gw.ws_url) as chat:
         session_id = chat.session_id
+        server = next(s for s in story_gw.gateway.sessions if s.id == session_id)
         cutter = asyncio.create_task(cut_at_random(chat, rng, cuts))
         try:
             for i, (question, (text, usage)) in enumerate(zip(QUESTIONS, truth, strict=True)):
@@ -555,6 +558,8 @@ async def test_answers_survive_connections_dropped_at_random(
                 assert reply.status == "completed"
                 assert "".join(deltas) == reply.text == text  # no piece lost or repeated
                 assert usage_json(reply.usage) == usage_of(usage)  # no question sent twice
+                stored = server.conversation.get(str(reply.item_id))
+                assert stored is not None and stored.text == text
         finally:
             cutter.cancel()
         assert chat.session_id == session_id  # one conversation throughout
@@ -761,6 +766,20 @@ def test_only_requests_a_fence_proves_lost_are_sent_again() -> None:
     ledger.fence("f2", 2)  # a second drop: b (sent again on 1) and c are both in doubt
     assert ledger.fence_answered("f2", 2) == [{"event_id": "b"}, {"event_id": "c"}]
     assert not ledger.any_before(2)
+
+
+def test_only_a_lost_connection_is_resumed() -> None:
+    assert is_drop(None, None)  # a reset: no close frame either way
+    assert is_drop(None, Close(1011, "keepalive ping timeout"))  # pings went unanswered
+    for gateway_closed in (1000, 1001, 1008, 1009, 4001):
+        assert not is_drop(Close(gateway_closed, ""), None)
+    assert not is_drop(None, Close(1009, ""))  # the client refused a frame: it would again
+
+
+def test_backoff_is_short_then_capped() -> None:
+    delays = list(itertools.islice(backoff(rng=lambda: 1.0), 7))
+    assert delays == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    assert next(backoff(rng=lambda: 0.0)) == 0.025
 
 
 def test_events_already_processed_are_skipped_and_a_gap_is_an_error() -> None:

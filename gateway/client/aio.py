@@ -7,7 +7,7 @@ checks whether its own wait is over. So nothing is buffered behind the library's
 the gateway feels the reader's pace (back-pressure), and no task outlives the chat.
 
 When the connection drops (no close frame from the gateway), the reader that notices it
-reconnects and resumes the session (gateway/client/resume.py) before it receives on: the
+reconnects and resumes the session (gateway/client/reconnect.py) before it receives on: the
 gateway replays what the dropped connection lost, so waits go on as if nothing happened.
 Only the reader, holding the read lock, ever swaps the socket; a send that finds the
 socket dead is left to be sent again after the resume (see ``Unconfirmed``).
@@ -21,55 +21,26 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Generator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Mapping
 from types import TracebackType
 from typing import Any, Unpack
 
 from websockets.asyncio.client import ClientConnection
-from websockets.asyncio.client import connect as ws_connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.exceptions import ConnectionClosed
 from websockets.frames import Close
 
 from gateway.client import events
-from gateway.client.errors import (
-    ClientError,
-    ConnectionLost,
-    GatewayError,
-    GatewayTimeout,
-    GatewayUnavailable,
-    HandshakeRefused,
-)
+from gateway.client.errors import ClientError, ConnectionLost, GatewayError, GatewayTimeout
 from gateway.client.events import JSON, ResponseOptions, SessionOptions
+from gateway.client.reconnect import Dialer, reconnect
 from gateway.client.reply import Reply, failure_of, reply_from_done
-from gateway.client.resume import (
-    RESUME_TIMEOUT,
-    Cursor,
-    Unconfirmed,
-    backoff,
-    is_drop,
-    resume_url,
-)
+from gateway.client.resume import RESUME_TIMEOUT, Cursor, Unconfirmed, is_drop
+from gateway.client.sockets import close_quietly, deadline, lost, open_socket, recv_json
 
 logger = logging.getLogger("gateway.client")
 
 DEFAULT_TIMEOUT = 120.0
 """Seconds to wait for any one server event (not for a whole answer) before giving up."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Dialer:
-    """How to reach the gateway again: the first connection's URL and credentials."""
-
-    url: str
-    api_key: str | None
-    timeout: float | None
-    resume: bool
-    resume_timeout: float
-
-
-class _Retry(Exception):
-    """One reconnection attempt failed in a way that another attempt may not (its cause)."""
 
 
 class _Waiter:
@@ -94,7 +65,7 @@ class AsyncChat:
     conversations at once, open several chats (e.g. ``asyncio.gather`` over ``connect()``).
     """
 
-    def __init__(self, ws: ClientConnection, created: JSON, dialer: _Dialer) -> None:
+    def __init__(self, ws: ClientConnection, created: JSON, dialer: Dialer) -> None:
         self._ws = ws
         self._dialer = dialer
         session = created.get("session")
@@ -131,13 +102,13 @@ class AsyncChat:
         **options: Unpack[SessionOptions],
     ) -> AsyncChat:
         """Connect, wait for ``session.created`` and apply ``options`` with ``session.update``."""
-        dialer = _Dialer(events.resolve_url(url), api_key, timeout, resume, resume_timeout)
-        ws = await _open_socket(dialer.url, api_key, timeout)
+        dialer = Dialer(events.resolve_url(url), api_key, timeout, resume, resume_timeout)
+        ws = await open_socket(dialer.url, api_key, timeout)
         try:
             try:
-                first = await _recv_json(ws, timeout)
+                first = await recv_json(ws, timeout)
             except ConnectionClosed as exc:
-                raise _lost(exc) from None
+                raise lost(exc) from None
             if first.get("type") == "error":
                 raise GatewayError.from_event(first)
             if first.get("type") != "session.created":
@@ -315,10 +286,10 @@ class AsyncChat:
         The caller holds the read lock."""
         while True:
             try:
-                event = await _recv_json(self._ws, self.timeout)
+                event = await recv_json(self._ws, self.timeout)
             except ConnectionClosed as exc:
                 if not self._may_resume(exc.rcvd, exc.sent):
-                    raise _lost(exc) from None
+                    raise lost(exc) from None
                 await self._resume()
                 continue
             if self._cursor.accept(event):  # else a replayed event processed already
@@ -333,11 +304,11 @@ class AsyncChat:
     async def _send_frame(self, event: JSON) -> None:
         ws = self._ws
         try:
-            async with _deadline(self.timeout, "sending to the gateway"):
+            async with deadline(self.timeout, "sending to the gateway"):
                 await ws.send(json.dumps(event))
         except ConnectionClosed as exc:
             if not self._may_resume(exc.rcvd, exc.sent):
-                raise _lost(exc) from None
+                raise lost(exc) from None
             # The connection dropped: the next read resumes the session, and the fence
             # sent then tells whether this event must go again.
 
@@ -353,42 +324,21 @@ class AsyncChat:
         )
 
     async def _resume(self) -> None:
-        """Reconnect and take the session back, retrying with a short backoff until
-        ``resume_timeout``; raises :class:`ConnectionLost` if that cannot be done.
+        """Reconnect and take the session back, or raise :class:`ConnectionLost`.
 
         The caller holds the read lock: nobody reads meanwhile, and sends go to the dead
         socket, to be sent again if need be (see :class:`Unconfirmed`).
         """
-        loop = asyncio.get_running_loop()
-        limit = self._dialer.resume_timeout
-        deadline = loop.time() + limit
-        url = resume_url(self._dialer.url, str(self._cursor.session_id))
         logger.info("connection lost; resuming session %s", self._cursor.session_id)
-        delays = backoff()
-        why: BaseException | None = None  # the latest failure, a timeout only if nothing else
         try:
-            while (left := deadline - loop.time()) > 0:
-                try:
-                    ws, resumed = await self._resume_on(url, left)
-                    break
-                except _Retry as retry:
-                    failure = retry.__cause__ or retry
-                    if why is None or not isinstance(failure, TimeoutError):
-                        why = failure
-                    logger.debug("resume attempt failed (%r); retrying", failure)
-                    await asyncio.sleep(min(next(delays), max(0.0, deadline - loop.time())))
-            else:
-                raise ConnectionLost(
-                    f"the connection to the gateway was lost, and no new one could resume "
-                    f"the session within {limit:g} s: {why or 'no attempt finished'}"
-                ) from why
+            ws, resumed = await reconnect(self._dialer, self._cursor, lambda: self._closing)
         except ConnectionLost:
             self._resume_failed = True
             raise
-        self._adopt(ws, resumed)
         if self._closing:  # close() ran meanwhile: it closed the old socket, not this one
-            await ws.close()
+            await close_quietly(ws)
             raise ConnectionLost("the chat was closed while its connection was being resumed")
+        self._adopt(ws, resumed)
         logger.info("session %s resumed after event %d", self._cursor.session_id, self._cursor.last)
         if self._unconfirmed.any_before(self._connection):
             # Some request went out on a connection that dropped before its answer came.
@@ -398,46 +348,6 @@ class AsyncChat:
             eid = self._ids.event()
             self._unconfirmed.fence(eid, self._connection)
             await self._send_frame(events.item_retrieve(eid, self._ids.item()))
-
-    async def _resume_on(self, url: str, seconds: float) -> tuple[ClientConnection, JSON]:
-        """One attempt: a new connection, its own ``session.created``, then ``session.resume``
-        and the answer. Raises :class:`_Retry`, or :class:`ConnectionLost` if refused."""
-        if self.timeout is not None:
-            seconds = min(seconds, self.timeout)
-        ws: ClientConnection | None = None
-        try:
-            async with asyncio.timeout(seconds):
-                ws = await _open_socket(url, self._dialer.api_key, None)
-                created = await _recv_json(ws, None)
-                if created.get("type") != "session.created":
-                    raise _Retry(f"expected session.created, got {created.get('type')!r}")
-                await ws.send(json.dumps(self._cursor.resume_event()))
-                answer = await _recv_json(ws, None)
-        except HandshakeRefused as exc:
-            if exc.status >= 500:  # overloaded, or restarting: the next attempt may pass
-                raise _Retry from exc
-            raise ConnectionLost(f"the connection to the gateway was lost: {exc}") from exc
-        except _Retry:
-            if ws is not None:
-                ws.transport.abort()
-            raise
-        except (GatewayUnavailable, ConnectionClosed, TimeoutError) as exc:
-            if ws is not None:
-                ws.transport.abort()
-            raise _Retry from exc
-        except BaseException:
-            if ws is not None:
-                ws.transport.abort()
-            raise
-        if answer.get("type") == "session.resumed":
-            return ws, answer
-        await _close_quietly(ws)  # a close frame ends the fresh session it started as
-        code = GatewayError.from_event(answer).code if answer.get("type") == "error" else None
-        why = _RESUME_REFUSALS.get(code, f"the gateway answered {answer.get('type')!r}")
-        raise ConnectionLost(
-            f"the connection to the gateway was lost and the conversation cannot be resumed: {why}",
-            resume_error=code,
-        )
 
     def _adopt(self, ws: ClientConnection, resumed: JSON) -> None:
         old, self._ws = self._ws, ws
@@ -667,13 +577,6 @@ class AsyncStream:
                 await self._chat._send_cancel(self.response_id)
 
 
-_RESUME_REFUSALS: dict[str | None, str] = {
-    "session_not_found": "the gateway no longer holds it (session_not_found: its resume "
-    "window is over, or the gateway restarted)",
-    "resume_gap": "the gateway no longer keeps every event this client missed (resume_gap)",
-}
-
-
 class Connect:
     """What :func:`connect` returns: ``async with`` it, or ``await`` it (then close the chat)."""
 
@@ -738,71 +641,3 @@ def connect(
     with ``session.update`` and apply to every answer.
     """
     return Connect(url, api_key, timeout, resume, resume_timeout, options)
-
-
-# -- socket helpers ---------------------------------------------------------------------
-
-
-@contextlib.asynccontextmanager
-async def _deadline(seconds: float | None, doing: str) -> AsyncIterator[None]:
-    try:
-        async with asyncio.timeout(seconds):
-            yield
-    except TimeoutError:
-        raise GatewayTimeout(f"no progress {doing} for {seconds} s") from None
-
-
-async def _open_socket(url: str, api_key: str | None, seconds: float | None) -> ClientConnection:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    try:
-        return await ws_connect(url, additional_headers=headers, open_timeout=seconds)
-    except InvalidStatus as exc:
-        raise _refused(exc) from None
-    except TimeoutError:
-        raise GatewayTimeout(f"no WebSocket handshake with {url} within {seconds} s") from None
-    except (OSError, InvalidHandshake, InvalidURI) as exc:
-        raise GatewayUnavailable(f"cannot connect to the gateway at {url}: {exc}") from exc
-
-
-def _refused(exc: InvalidStatus) -> HandshakeRefused:
-    status = exc.response.status_code
-    code = "unauthorized" if status in (401, 403) else f"http_{status}"
-    message = exc.response.body.decode(errors="replace").strip() if exc.response.body else ""
-    with contextlib.suppress(ValueError, AttributeError, TypeError):
-        error = json.loads(message).get("error", {})
-        code, message = str(error.get("code") or code), str(error.get("message") or message)
-    return HandshakeRefused(status, code, message or exc.response.reason_phrase)
-
-
-async def _recv_json(ws: ClientConnection, seconds: float | None) -> JSON:
-    """The next server event; raises ``ConnectionClosed`` for the caller to judge.
-
-    Cancelling ``recv`` loses nothing, so the timeout is safe.
-    """
-    async with _deadline(seconds, "waiting for the gateway"):
-        frame = await ws.recv()
-    try:
-        event = json.loads(frame)
-    except ValueError:
-        raise ClientError(f"the gateway sent a frame that is not JSON: {frame[:80]!r}") from None
-    if not isinstance(event, dict):
-        raise ClientError(f"the gateway sent a frame that is not an event: {frame[:80]!r}")
-    return event
-
-
-async def _close_quietly(ws: ClientConnection) -> None:
-    try:
-        async with asyncio.timeout(2.0):
-            await ws.close()
-    except TimeoutError:
-        ws.transport.abort()
-
-
-def _lost(exc: ConnectionClosed) -> ConnectionLost:
-    close = exc.rcvd or exc.sent
-    code = close.code if close is not None else None
-    reason = close.reason if close is not None else ""
-    detail = f" (close code {code}{': ' + reason if reason else ''})" if code is not None else ""
-    return ConnectionLost(
-        f"the connection to the gateway was lost{detail}", code=code, reason=reason
-    )

@@ -9,6 +9,7 @@ own requests may never have reached the gateway, lives here, testable with dicts
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -37,12 +38,16 @@ def is_drop(rcvd: Close | None, sent: Close | None) -> bool:
     return rcvd is None and (sent is None or sent.code == _KEEPALIVE_TIMEOUT)
 
 
-def backoff(first: float = 0.05, cap: float = 1.0) -> Iterator[float]:
+def backoff(
+    first: float = 0.05, cap: float = 1.0, rng: Callable[[], float] = random.random
+) -> Iterator[float]:
     """Delays between reconnection attempts: short at first (most drops are brief), then
-    capped, so that a gateway back within its window is found within ``cap`` seconds."""
+    capped, so that a gateway back within its window is found within ``cap`` seconds.
+    Each is between half and all of its step, so that the clients a gateway lost at once
+    do not all come back in the same instant."""
     delay = first
     while True:
-        yield delay
+        yield delay * (0.5 + rng() / 2)
         delay = min(cap, delay * 2)
 
 
