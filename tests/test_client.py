@@ -480,15 +480,24 @@ class Proxy:
     def ws_url(self) -> str:
         return f"ws://127.0.0.1:{self.port}/v1/realtime"
 
+    async def __aenter__(self) -> Proxy:
+        await self.accept()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._server is not None:
+            await self.refuse()
+
     async def accept(self) -> None:
         self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def refuse(self) -> None:
         assert self._server is not None
-        self._server.close()
+        server, self._server = self._server, None
+        server.close()
         self.cut()
-        await self._server.wait_closed()
+        await server.wait_closed()
 
     def cut(self) -> None:
         for writer in self._links:
@@ -637,27 +646,32 @@ async def test_a_cancel_cut_off_with_its_connection_still_stops_the_answer(
 
 async def test_a_network_down_for_a_while_is_waited_for(story_gw: RunningGateway) -> None:
     ((text, _),) = await raw_conversation(story_gw.ws_url, QUESTIONS[:1])
-    proxy = Proxy(story_gw.gateway.port)
-    await proxy.accept()
-    async with gc.connect(proxy.ws_url) as chat:
+
+    async def back_after_a_while(proxy: Proxy) -> None:
+        await asyncio.sleep(0.5)
+        await proxy.accept()
+
+    async with Proxy(story_gw.gateway.port) as proxy, gc.connect(proxy.ws_url) as chat:
         deltas: list[str] = []
         stream = chat.stream(QUESTIONS[0])
         async for delta in stream:
             deltas.append(delta)
             if len(deltas) == 3:
                 await proxy.refuse()  # the network goes away, and stays away a while
-                asyncio.get_running_loop().call_later(0.5, asyncio.ensure_future, proxy.accept())
+                network = asyncio.create_task(back_after_a_while(proxy))
         assert "".join(deltas) == text and stream.reply is not None
         assert stream.reply.text == text
+        await network
     assert story_gw.gateway.metrics.resumes.labels(outcome="resumed").value == 1
 
 
 async def test_a_network_down_for_too_long_raises_connection_lost(
     story_gw: RunningGateway,
 ) -> None:
-    proxy = Proxy(story_gw.gateway.port)
-    await proxy.accept()
-    async with gc.connect(proxy.ws_url, resume_timeout=0.5) as chat:
+    async with (
+        Proxy(story_gw.gateway.port) as proxy,
+        gc.connect(proxy.ws_url, resume_timeout=0.5) as chat,
+    ):
         stream = chat.stream(QUESTIONS[0])
         await anext(stream)
         await proxy.refuse()
@@ -1006,25 +1020,22 @@ def test_terminal_chat_once(threaded: GatewayThread) -> None:
 
 
 async def test_terminal_chat_once_survives_a_dropped_connection() -> None:
-    async with running_gateway(SimEngine(step_ms=5, response_tokens=150)) as gw:
-        await terminal_chat_once_through_a_cut(gw)
-
-
-async def terminal_chat_once_through_a_cut(gw: RunningGateway) -> None:
     question = "Tell me a long story."
-    ((text, _),) = await raw_conversation(gw.ws_url, [question])
-    proxy = Proxy(gw.gateway.port)
-    await proxy.accept()
-    chat = await asyncio.create_subprocess_exec(
-        *[sys.executable, "-m", "gateway.client", proxy.ws_url, "--once", question],
-        env=subprocess_env(proxy.ws_url),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    assert chat.stdout is not None
-    first = await asyncio.wait_for(chat.stdout.read(1), TIMEOUT)  # the answer is streaming
-    proxy.cut()
-    rest, err = await asyncio.wait_for(chat.communicate(), TIMEOUT)
+    async with (
+        running_gateway(SimEngine(step_ms=5, response_tokens=150)) as gw,
+        Proxy(gw.gateway.port) as proxy,
+    ):
+        ((text, _),) = await raw_conversation(gw.ws_url, [question])
+        chat = await asyncio.create_subprocess_exec(
+            *[sys.executable, "-m", "gateway.client", proxy.ws_url, "--once", question],
+            env=subprocess_env(proxy.ws_url),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert chat.stdout is not None
+        first = await asyncio.wait_for(chat.stdout.read(1), TIMEOUT)  # the answer streams
+        proxy.cut()
+        rest, err = await asyncio.wait_for(chat.communicate(), TIMEOUT)
     assert chat.returncode == 0, err
     assert (first + rest).decode() == text + "\n"
     assert gw.gateway.metrics.resumes.labels(outcome="resumed").value == 1
