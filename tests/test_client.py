@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import gc as garbage
+import itertools
 import json
 import os
 import pty
+import random
 import re
 import select
 import signal
@@ -26,9 +28,11 @@ from types import TracebackType
 from typing import Any
 
 import pytest
+from websockets.frames import Close
 
 import gateway.client as gc
 from gateway.client import cli
+from gateway.client.resume import Cursor, Unconfirmed, backoff, is_drop, resume_url
 from gateway.engines.sim import SimEngine
 from tests.harness import RawClient, RunningGateway, running_gateway
 
@@ -366,18 +370,31 @@ async def test_a_failed_answer_raises_with_the_partial_reply() -> None:
 
 
 async def test_a_dropped_connection_raises_connection_lost() -> None:
+    # A gateway with resume off (window 0): the resume the client tries is refused.
     engine = SimEngine(step_ms=5, response_tokens=400)
     async with (
         running_gateway(engine, resume_window=0) as slow_gw,
         gc.connect(slow_gw.ws_url) as chat,
     ):
         stream = chat.stream("Tell me a long story")
-        with pytest.raises(gc.ConnectionLost):
+        with pytest.raises(gc.ConnectionLost) as caught:
             async for _ in stream:
                 chat._ws.transport.abort()  # the network goes away mid-answer
+        assert caught.value.resume_error == "session_not_found"
+        assert chat.closed
         with pytest.raises(gc.ConnectionLost):
             await chat.ask("anyone there?")
         await slow_gw.wait_idle()  # and the gateway freed what the answer held
+
+
+async def test_resume_false_raises_connection_lost_at_once(slow_gw: RunningGateway) -> None:
+    async with gc.connect(slow_gw.ws_url, resume=False) as chat:
+        stream = chat.stream("Tell me a long story")
+        with pytest.raises(gc.ConnectionLost) as caught:
+            async for _ in stream:
+                chat._ws.transport.abort()
+        assert caught.value.resume_error is None and chat.closed
+    assert slow_gw.gateway.metrics.resumes.labels(outcome="resumed").value == 0
 
 
 async def test_a_silent_gateway_times_out() -> None:
@@ -412,6 +429,393 @@ def test_urls_get_the_realtime_path(monkeypatch: pytest.MonkeyPatch) -> None:
     assert gc.resolve_url(None) == gc.DEFAULT_URL
     with pytest.raises(ValueError):
         gc.resolve_url("ftp://h")
+
+
+# ---------------------------------------------------------------------------
+# Resume: a connection that drops (no close frame) is resumed, and nothing is lost
+
+
+async def raw_conversation(url: str, questions: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """(answer text, usage) of each turn of one conversation, over the raw protocol.
+
+    The simulated engine answers from the whole conversation, so the same questions give
+    the same answers and token counts: a lost, repeated or doubled piece anywhere (a
+    question sent twice included) shows up as a difference.
+    """
+    async with RawClient.connect(url) as raw:
+        turns = []
+        for question in questions:
+            await raw.say(question)
+            turn = await raw.respond()
+            assert turn.status == "completed" and turn.text == turn.final_text
+            turns.append((turn.text, turn.response["usage"]))
+        return turns
+
+
+def usage_json(usage: gc.Usage | None) -> dict[str, Any]:
+    assert usage is not None
+    return {
+        "input_tokens": usage.input_tokens,
+        "output_tokens": usage.output_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+
+
+def usage_of(usage: dict[str, Any]) -> dict[str, Any]:
+    return {k: usage[k] for k in ("input_tokens", "output_tokens", "total_tokens")}
+
+
+class Proxy:
+    """A TCP relay in front of the gateway: :meth:`cut` drops every connection through it
+    (no close frame, like a network that goes away), :meth:`refuse` stops accepting new
+    ones (the network stays down) until :meth:`accept`."""
+
+    def __init__(self, target_port: int) -> None:
+        self._target = target_port
+        self._server: asyncio.Server | None = None
+        self._links: set[asyncio.StreamWriter] = set()
+        self.port = 0
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/realtime"
+
+    async def __aenter__(self) -> Proxy:
+        await self.accept()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._server is not None:
+            await self.refuse()
+
+    async def accept(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def refuse(self) -> None:
+        assert self._server is not None
+        server, self._server = self._server, None
+        server.close()
+        self.cut()
+        await server.wait_closed()
+
+    def cut(self) -> None:
+        for writer in self._links:
+            writer.transport.abort()
+        self._links.clear()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._target)
+        self._links |= {writer, up_writer}
+
+        async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except ConnectionError:
+                pass
+            finally:
+                dst.transport.abort()  # one side gone: so is the other, without a close frame
+
+        await asyncio.gather(copy(reader, up_writer), copy(up_reader, writer))
+        self._links -= {writer, up_writer}
+
+
+async def cut_at_random(chat: gc.AsyncChat, rng: random.Random, cuts: list[float]) -> None:
+    """Drop the chat's connection at random moments (mid-answer, mid-question, mid-resume),
+    until cancelled."""
+    while True:
+        await asyncio.sleep(rng.uniform(0.002, 0.04))
+        transport = chat._ws.transport
+        if not transport.is_closing():
+            transport.abort()
+            cuts.append(time.monotonic())
+
+
+QUESTIONS = ["Tell me a long story.", "And then?", "Why?"]
+
+
+@pytest.fixture
+async def story_gw() -> AsyncIterator[RunningGateway]:
+    """Answers of 150 tokens at 2 ms: several connections drop during each."""
+    async with running_gateway(SimEngine(step_ms=2, response_tokens=150)) as running:
+        yield running
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_answers_survive_connections_dropped_at_random(
+    story_gw: RunningGateway, seed: int
+) -> None:
+    truth = await raw_conversation(story_gw.ws_url, QUESTIONS)
+    rng = random.Random(seed)
+    cuts: list[float] = []
+    async with gc.connect(story_gw.ws_url) as chat:
+        session_id = chat.session_id
+        server = next(s for s in story_gw.gateway.sessions if s.id == session_id)
+        cutter = asyncio.create_task(cut_at_random(chat, rng, cuts))
+        try:
+            for i, (question, (text, usage)) in enumerate(zip(QUESTIONS, truth, strict=True)):
+                if i % 2:
+                    reply = await chat.ask(question)
+                    deltas = [reply.text]
+                else:
+                    stream = chat.stream(question)
+                    deltas = [delta async for delta in stream]
+                    assert stream.reply is not None
+                    reply = stream.reply
+                assert reply.status == "completed"
+                assert "".join(deltas) == reply.text == text  # no piece lost or repeated
+                assert usage_json(reply.usage) == usage_of(usage)  # no question sent twice
+                stored = server.conversation.get(str(reply.item_id))
+                assert stored is not None and stored.text == text
+        finally:
+            cutter.cancel()
+        assert chat.session_id == session_id  # one conversation throughout
+    resumed = story_gw.gateway.metrics.resumes.labels(outcome="resumed").value
+    print(f"\n{len(cuts)} connections cut, {resumed:.0f} resumed")
+    assert len(cuts) >= 10 and resumed >= len(cuts) - 1  # the last cut may find no reader
+    await story_gw.wait_idle()
+
+
+@pytest.mark.parametrize("delivered", [False, True], ids=["lost", "delivered"])
+@pytest.mark.parametrize("kind", ["conversation.item.create", "response.create"])
+async def test_a_request_cut_off_with_its_connection_is_sent_again_only_if_lost(
+    story_gw: RunningGateway, kind: str, delivered: bool
+) -> None:
+    """A request written just before the drop may or may not have reached the gateway:
+    the client must send it again if it was lost, and must not if it arrived (a second
+    response.create would start a second answer)."""
+    ((text, usage),) = await raw_conversation(story_gw.ws_url, QUESTIONS[:1])
+    async with gc.connect(story_gw.ws_url, timeout=5) as chat:
+        server = next(s for s in story_gw.gateway.sessions if s.id == chat.session_id)
+        ws = chat._ws
+        send = ws.send
+
+        async def send_then_cut(frame: Any) -> None:
+            if json.loads(frame)["type"] != kind:
+                await send(frame)
+                return
+            # Whatever the gateway answers now is lost with the connection: the client
+            # learns of it only from the replay.
+            ws.transport.pause_reading()
+            if not delivered:
+                ws.transport.abort()  # the frame goes nowhere
+            before = server.outbox.last_sequence_number
+            await send(frame)
+            if delivered:  # the gateway handled it (answered it), then the network went away
+                async with asyncio.timeout(TIMEOUT):
+                    while server.outbox.last_sequence_number == before:
+                        await asyncio.sleep(0.001)
+                ws.transport.abort()
+
+        ws.send = send_then_cut  # type: ignore[method-assign]
+        reply = await chat.ask(QUESTIONS[0])
+        assert reply.status == "completed" and reply.text == text
+        assert usage_json(reply.usage) == usage_of(usage)
+        assert (await chat.ask("And then?")).status == "completed"
+        assert len(server.conversation) == 4  # two questions, two answers: nothing twice
+    m = story_gw.gateway.metrics
+    assert m.resumes.labels(outcome="resumed").value == 1
+    for code in ("duplicate_item_id", "conversation_already_has_active_response"):
+        assert m.errors.labels(code=code).value == 0
+
+
+async def test_a_cancel_cut_off_with_its_connection_still_stops_the_answer(
+    slow_gw: RunningGateway,
+) -> None:
+    async with gc.connect(slow_gw.ws_url, timeout=5) as chat:
+        stream = chat.stream("Tell me a long story")
+        seen = [await anext(stream)]
+        ws = chat._ws
+        send = ws.send
+
+        async def cut_then_send(frame: Any) -> None:
+            if json.loads(frame)["type"] == "response.cancel":
+                ws.transport.abort()  # the cancel is lost with the connection
+            await send(frame)
+
+        ws.send = cut_then_send  # type: ignore[method-assign]
+        reply = await stream.cancel()
+        assert reply is not None and reply.status == "cancelled"  # not the whole answer
+        assert reply.text.startswith("".join(seen))
+        assert reply.usage is not None and reply.usage.output_tokens < 400
+        assert (await chat.ask("go on", max_output_tokens=3)).status == "incomplete"
+    await slow_gw.wait_idle()
+
+
+async def test_a_network_down_for_a_while_is_waited_for(story_gw: RunningGateway) -> None:
+    ((text, _),) = await raw_conversation(story_gw.ws_url, QUESTIONS[:1])
+
+    async def back_after_a_while(proxy: Proxy) -> None:
+        await asyncio.sleep(0.5)
+        await proxy.accept()
+
+    async with Proxy(story_gw.gateway.port) as proxy, gc.connect(proxy.ws_url) as chat:
+        deltas: list[str] = []
+        stream = chat.stream(QUESTIONS[0])
+        async for delta in stream:
+            deltas.append(delta)
+            if len(deltas) == 3:
+                await proxy.refuse()  # the network goes away, and stays away a while
+                network = asyncio.create_task(back_after_a_while(proxy))
+        assert "".join(deltas) == text and stream.reply is not None
+        assert stream.reply.text == text
+        await network
+    assert story_gw.gateway.metrics.resumes.labels(outcome="resumed").value == 1
+
+
+async def test_a_network_down_for_too_long_raises_connection_lost(
+    story_gw: RunningGateway,
+) -> None:
+    async with (
+        Proxy(story_gw.gateway.port) as proxy,
+        gc.connect(proxy.ws_url, resume_timeout=0.5) as chat,
+    ):
+        stream = chat.stream(QUESTIONS[0])
+        await anext(stream)
+        await proxy.refuse()
+        started = time.monotonic()
+        with pytest.raises(gc.ConnectionLost) as caught:
+            async for _ in stream:
+                pass
+        waited = time.monotonic() - started
+    assert caught.value.resume_error is None
+    assert isinstance(caught.value.__cause__, gc.GatewayUnavailable)
+    assert 0.4 < waited < 5, waited
+    assert chat.closed
+
+
+async def test_a_resume_after_the_window_raises_connection_lost() -> None:
+    async with running_gateway(SimEngine(step_ms=1, response_tokens=8), resume_window=0.3) as gw:
+        async with gc.connect(gw.ws_url) as chat:
+            assert (await chat.ask("hello")).status == "completed"
+            chat._ws.transport.abort()  # dropped while idle...
+            await gw.wait_idle()  # ...for longer than the window: the gateway let it go
+            assert not chat.closed  # the chat does not know yet
+            with pytest.raises(gc.ConnectionLost) as caught:
+                await chat.ask("still there?")
+            assert caught.value.resume_error == "session_not_found"
+            assert chat.closed
+            with pytest.raises(gc.ConnectionLost):
+                await chat.ask("and now?")  # no second attempt
+        await gw.wait_idle()  # the fresh session of the refused resume ended too
+
+
+async def test_a_resume_past_the_replay_buffer_raises_connection_lost() -> None:
+    engine = SimEngine(step_ms=1, response_tokens=400)
+    async with (
+        running_gateway(engine, replay_buffer_bytes=4096) as gw,
+        gc.connect(gw.ws_url) as chat,
+    ):
+        stream = chat.stream("Tell me a long story")
+        await anext(stream)
+        # The client reads no more while the gateway sends the whole answer: what it
+        # has not read (in socket buffers) is lost with the connection, and the
+        # gateway kept only the last 4 KiB of it.
+        async with asyncio.timeout(TIMEOUT):
+            while gw.gateway.scheduler.running:
+                await asyncio.sleep(0.01)
+        chat._ws.transport.abort()
+        with pytest.raises(gc.ConnectionLost) as caught:
+            async for _ in stream:
+                pass
+        assert caught.value.resume_error == "resume_gap"
+
+
+async def test_another_connection_taking_the_session_over_is_not_fought(
+    story_gw: RunningGateway,
+) -> None:
+    async with gc.connect(story_gw.ws_url) as chat:
+        await chat.ask("hello")
+        async with RawClient.connect(story_gw.ws_url) as other:
+            await other.send(chat._cursor.resume_event())  # same id and token: a takeover
+            assert (await other.recv())["type"] == "session.resumed"
+            with pytest.raises(gc.ConnectionLost) as caught:
+                await chat.ask("mine?")
+    assert caught.value.code == 4001 and caught.value.resume_error is None
+    assert story_gw.gateway.metrics.resumes.labels(outcome="resumed").value == 1
+
+
+async def test_a_gateway_shutdown_is_not_resumed() -> None:
+    async with (
+        running_gateway(SimEngine(step_ms=5, response_tokens=400)) as gw,
+        gc.connect(gw.ws_url) as chat,
+    ):
+        stream = chat.stream("Tell me a long story")
+        await anext(stream)
+        stopping = asyncio.create_task(gw.gateway.stop())
+        async for _ in stream:
+            pass
+        assert stream.reply is not None and stream.reply.status == "cancelled"
+        started = time.monotonic()
+        with pytest.raises(gc.ConnectionLost) as caught:
+            await chat.ask("anyone there?")
+        assert caught.value.code == 1001 and time.monotonic() - started < 2
+        await stopping
+
+
+def test_resume_urls_carry_the_session_id() -> None:
+    assert resume_url("ws://h:1/v1/realtime", "sess_0_ab") == (
+        "ws://h:1/v1/realtime?session_id=sess_0_ab"
+    )
+    assert resume_url("wss://h/x?a=1&session_id=old", "sess_1") == "wss://h/x?a=1&session_id=sess_1"
+
+
+def test_only_requests_a_fence_proves_lost_are_sent_again() -> None:
+    answered: set[str] = set()
+    ledger = Unconfirmed()
+
+    def request(eid: str, connection: int) -> None:
+        ledger.add({"event_id": eid}, connection, lambda: eid not in answered)
+
+    request("a", 0)
+    request("b", 0)
+    request("c", 1)  # sent on the connection after the first drop
+    answered.add("a")  # its answer came in the replay
+    assert ledger.any_before(1)
+    ledger.fence("f1", 1)
+    assert ledger.fence_answered("other", 1) is None  # not a fence: someone else's error
+    assert ledger.fence_answered("f1", 1) == [{"event_id": "b"}]  # "c" awaits its own fence
+    ledger.fence("f2", 2)  # a second drop: b (sent again on 1) and c are both in doubt
+    assert ledger.fence_answered("f2", 2) == [{"event_id": "b"}, {"event_id": "c"}]
+    assert not ledger.any_before(2)
+
+
+def test_only_a_lost_connection_is_resumed() -> None:
+    assert is_drop(None, None)  # a reset: no close frame either way
+    assert is_drop(None, Close(1011, "keepalive ping timeout"))  # pings went unanswered
+    for gateway_closed in (1000, 1001, 1008, 1009, 4001):
+        assert not is_drop(Close(gateway_closed, ""), None)
+    assert not is_drop(None, Close(1009, ""))  # the client refused a frame: it would again
+
+
+def test_backoff_is_short_then_capped() -> None:
+    delays = list(itertools.islice(backoff(rng=lambda: 1.0), 7))
+    assert delays == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    assert next(backoff(rng=lambda: 0.0)) == 0.025
+
+
+def test_events_already_processed_are_skipped_and_a_gap_is_an_error() -> None:
+    cursor = Cursor(
+        {
+            "type": "session.created",
+            "sequence_number": 1,
+            "session": {"id": "s"},
+            "resume_token": "t",
+        }
+    )
+    assert cursor.accept({"type": "x", "sequence_number": 2})
+    assert not cursor.accept({"type": "x", "sequence_number": 2})  # replayed twice
+    assert cursor.accept({"type": "session.resumed"})  # not numbered
+    with pytest.raises(gc.ClientError):
+        cursor.accept({"type": "x", "sequence_number": 4})
+    assert cursor.resume_event() == {
+        "type": "session.resume",
+        "session_id": "s",
+        "resume_token": "t",
+        "last_sequence_number": 2,
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -492,6 +896,73 @@ def test_ctrl_c_during_a_sync_call_cancels_it_on_the_gateway() -> None:
         assert chat.ask("still there?", max_output_tokens=2).status == "incomplete"
 
 
+class SyncCutter:
+    """Drops a sync chat's connection at random moments, from another thread, until stopped."""
+
+    def __init__(self, chat: gc.SyncChat, seed: int) -> None:
+        self._chat = chat
+        self._rng = random.Random(seed)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.cuts = 0
+
+    def __enter__(self) -> SyncCutter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(TIMEOUT)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._rng.uniform(0.002, 0.04)):
+            self._chat._runner.loop.call_soon_threadsafe(self._cut)
+
+    def _cut(self) -> None:  # on the chat's loop, which owns the socket
+        transport = self._chat._chat._ws.transport
+        if not transport.is_closing():
+            transport.abort()
+            self.cuts += 1
+
+
+def test_sync_answers_survive_connections_dropped_at_random() -> None:
+    with GatewayThread(SimEngine(step_ms=2, response_tokens=150)) as gateway:
+        truth = asyncio.run(raw_conversation(gateway.ws_url, QUESTIONS))
+        with gc.connect_sync(gateway.ws_url) as chat, SyncCutter(chat, seed=4) as cutter:
+            for i, (question, (text, usage)) in enumerate(zip(QUESTIONS, truth, strict=True)):
+                if i % 2:
+                    reply = chat.ask(question)
+                    deltas = [reply.text]
+                else:
+                    stream = chat.stream(question)
+                    deltas = list(stream)
+                    assert stream.reply is not None
+                    reply = stream.reply
+                assert reply.status == "completed"
+                assert "".join(deltas) == reply.text == text
+                assert usage_json(reply.usage) == usage_of(usage)
+        print(f"\n{cutter.cuts} connections cut")
+        assert cutter.cuts >= 10
+
+
+def test_sync_resume_after_the_window_raises_connection_lost() -> None:
+    engine = SimEngine(step_ms=1, response_tokens=8)
+    with (
+        GatewayThread(engine, resume_window=0.3) as gateway,
+        gc.connect_sync(gateway.ws_url) as chat,
+    ):
+        assert chat.ask("hello").status == "completed"
+        chat._runner.loop.call_soon_threadsafe(chat._chat._ws.transport.abort)
+        deadline = time.monotonic() + TIMEOUT
+        while gateway.health()["sessions"]:  # the window ends: the gateway lets it go
+            assert time.monotonic() < deadline, "the gateway still holds the session"
+            time.sleep(0.02)
+        with pytest.raises(gc.ConnectionLost) as caught:
+            for _ in chat.stream("still there?"):
+                pass
+        assert caught.value.resume_error == "session_not_found" and chat.closed
+
+
 # ---------------------------------------------------------------------------
 # The examples, and the terminal chat
 
@@ -546,6 +1017,28 @@ def test_terminal_chat_once(threaded: GatewayThread) -> None:
         [*command, "--once", "-"], input="Hi there\n", env=env, capture_output=True, text=True
     )
     assert piped.stdout == expected + "\n"
+
+
+async def test_terminal_chat_once_survives_a_dropped_connection() -> None:
+    question = "Tell me a long story."
+    async with (
+        running_gateway(SimEngine(step_ms=5, response_tokens=150)) as gw,
+        Proxy(gw.gateway.port) as proxy,
+    ):
+        ((text, _),) = await raw_conversation(gw.ws_url, [question])
+        chat = await asyncio.create_subprocess_exec(
+            *[sys.executable, "-m", "gateway.client", proxy.ws_url, "--once", question],
+            env=subprocess_env(proxy.ws_url),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert chat.stdout is not None
+        first = await asyncio.wait_for(chat.stdout.read(1), TIMEOUT)  # the answer streams
+        proxy.cut()
+        rest, err = await asyncio.wait_for(chat.communicate(), TIMEOUT)
+    assert chat.returncode == 0, err
+    assert (first + rest).decode() == text + "\n"
+    assert gw.gateway.metrics.resumes.labels(outcome="resumed").value == 1
 
 
 def test_terminal_chat_once_reports_a_missing_gateway() -> None:

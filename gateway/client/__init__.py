@@ -14,6 +14,10 @@ Synchronous (plain scripts, and notebook cells too: it runs its own loop on a th
         for delta in chat.stream("And a TPU?"):
             print(delta, end="", flush=True)
 
+A connection that drops mid-answer (no close frame from the gateway) is resumed on a new
+one within the gateway's resume window: the answer goes on with no text lost or repeated,
+and :class:`ConnectionLost` is raised only if that fails (``resume=False`` turns it off).
+
 ``python -m gateway.client [URL]`` is a terminal chat built on the synchronous client.
 """
 
@@ -28,11 +32,13 @@ from gateway.client.errors import (
 )
 from gateway.client.events import DEFAULT_URL, ResponseOptions, SessionOptions, resolve_url
 from gateway.client.reply import Reply, Usage
+from gateway.client.resume import RESUME_TIMEOUT
 from gateway.client.sync import SyncChat, SyncStream, connect_sync
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "DEFAULT_URL",
+    "RESUME_TIMEOUT",
     "AsyncChat",
     "AsyncStream",
     "ClientError",

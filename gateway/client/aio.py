@@ -1,10 +1,16 @@
-"""The asyncio client: one :class:`AsyncChat` per WebSocket, one conversation per chat.
+"""The asyncio client: one :class:`AsyncChat` per conversation, over one WebSocket at a time.
 
 There is no background reader task. Whoever needs the next server event (an iterating
 stream, a ``cancel()``, an ``update()``) takes the read lock, receives one event and
 dispatches it to its owner (the active stream, or a request waiting for its answer), then
 checks whether its own wait is over. So nothing is buffered behind the library's back,
 the gateway feels the reader's pace (back-pressure), and no task outlives the chat.
+
+When the connection drops (no close frame from the gateway), the reader that notices it
+reconnects and resumes the session (gateway/client/reconnect.py) before it receives on: the
+gateway replays what the dropped connection lost, so waits go on as if nothing happened.
+Only the reader, holding the read lock, ever swaps the socket; a send that finds the
+socket dead is left to be sent again after the resume (see ``Unconfirmed``).
 """
 
 from __future__ import annotations
@@ -15,25 +21,21 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from types import TracebackType
 from typing import Any, Unpack
 
 from websockets.asyncio.client import ClientConnection
-from websockets.asyncio.client import connect as ws_connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.exceptions import ConnectionClosed
+from websockets.frames import Close
 
 from gateway.client import events
-from gateway.client.errors import (
-    ClientError,
-    ConnectionLost,
-    GatewayError,
-    GatewayTimeout,
-    GatewayUnavailable,
-    HandshakeRefused,
-)
+from gateway.client.errors import ClientError, ConnectionLost, GatewayError, GatewayTimeout
 from gateway.client.events import JSON, ResponseOptions, SessionOptions
+from gateway.client.reconnect import Dialer, reconnect
 from gateway.client.reply import Reply, failure_of, reply_from_done
+from gateway.client.resume import RESUME_TIMEOUT, Cursor, Unconfirmed, is_drop
+from gateway.client.sockets import close_quietly, deadline, lost, open_socket, recv_json
 
 logger = logging.getLogger("gateway.client")
 
@@ -63,10 +65,18 @@ class AsyncChat:
     conversations at once, open several chats (e.g. ``asyncio.gather`` over ``connect()``).
     """
 
-    def __init__(self, ws: ClientConnection, session: JSON, timeout: float | None) -> None:
+    def __init__(self, ws: ClientConnection, created: JSON, dialer: Dialer) -> None:
         self._ws = ws
-        self.session: JSON = session  # the gateway's view of the session settings
-        self.timeout = timeout
+        self._dialer = dialer
+        session = created.get("session")
+        self.session: JSON = session if isinstance(session, dict) else {}  # the gateway's view
+        self.timeout = dialer.timeout
+        self._cursor = Cursor(created)
+        self._connection = 0  # which connection ``_ws`` is: +1 per resume
+        self._unconfirmed = Unconfirmed()
+        self._resend: list[JSON] = []  # lost requests to send again, now that a fence told
+        self._closing = False
+        self._resume_failed = False
         self._ids = events.EventIds()
         self._read_lock = asyncio.Lock()
         self._turn_lock = asyncio.Lock()
@@ -87,18 +97,23 @@ class AsyncChat:
         *,
         api_key: str | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,  # noqa: ASYNC109 (bounds each wait, not the call)
+        resume: bool = True,
+        resume_timeout: float = RESUME_TIMEOUT,
         **options: Unpack[SessionOptions],
     ) -> AsyncChat:
         """Connect, wait for ``session.created`` and apply ``options`` with ``session.update``."""
-        ws = await _open_socket(events.resolve_url(url), api_key, timeout)
+        dialer = Dialer(events.resolve_url(url), api_key, timeout, resume, resume_timeout)
+        ws = await open_socket(dialer.url, api_key, timeout)
         try:
-            first = await _recv_json(ws, timeout)
+            try:
+                first = await recv_json(ws, timeout)
+            except ConnectionClosed as exc:
+                raise lost(exc) from None
             if first.get("type") == "error":
                 raise GatewayError.from_event(first)
             if first.get("type") != "session.created":
                 raise ClientError(f"expected session.created first, got {first.get('type')!r}")
-            session = first.get("session")
-            chat = cls(ws, session if isinstance(session, dict) else {}, timeout)
+            chat = cls(ws, first, dialer)
             if options:
                 await chat.update(**options)
         except BaseException:
@@ -107,7 +122,12 @@ class AsyncChat:
         return chat
 
     async def close(self) -> None:
-        """Close the WebSocket; the gateway stops whatever this chat still had running."""
+        """Close the WebSocket; the gateway stops whatever this chat still had running.
+
+        (If the connection is down at that moment, the gateway lets the session go when
+        its resume window ends.)
+        """
+        self._closing = True
         await self._ws.close()
 
     async def __aenter__(self) -> AsyncChat:
@@ -161,7 +181,19 @@ class AsyncChat:
 
     @property
     def closed(self) -> bool:
-        return self._ws.close_code is not None
+        """True once the chat cannot be used any more: closed, or its connection lost for
+        good. A dropped connection that the next call will resume does not count."""
+        if self._closing or self._resume_failed:
+            return True
+        ws = self._ws
+        return ws.close_code is not None and not self._may_resume(
+            ws.protocol.close_rcvd, ws.protocol.close_sent
+        )
+
+    @property
+    def session_id(self) -> str | None:
+        """The gateway's id of this conversation (it stays the same across resumes)."""
+        return self._cursor.session_id
 
     # -- turns ------------------------------------------------------------------------
 
@@ -189,7 +221,10 @@ class AsyncChat:
             self._active = stream  # from here on, cancel() sends response.cancel
         finally:
             self._starting = None
-        await self._send(events.response_create(event_id, stream.options))
+        await self._send(
+            events.response_create(event_id, stream.options),
+            until=lambda: stream.response_id is None and not stream.finished,
+        )
 
     async def _add_user_message(self, text: str) -> None:
         item_id = self._ids.item()
@@ -206,10 +241,14 @@ class AsyncChat:
         # with conversation.item.added/done, which must not be taken for this acknowledgement.
         await self._request(events.user_message(self._ids.event(), item_id, text), is_our_item)
 
-    async def _send_cancel(self, response_id: str | None) -> None:
+    async def _send_cancel(
+        self, response_id: str | None, until: Callable[[], bool] = lambda: False
+    ) -> None:
+        """Send ``response.cancel``; ``until()``: whether it still needs to reach the gateway
+        (after a resume)."""
         eid = self._ids.event()
         self._cancel_ids.append(eid)
-        await self._send(events.response_cancel(eid, response_id))
+        await self._send(events.response_cancel(eid, response_id), until=until)
 
     # -- the event pump ---------------------------------------------------------------
 
@@ -218,7 +257,7 @@ class AsyncChat:
         waiter = _Waiter(str(event["event_id"]), accept)
         self._waiters.append(waiter)
         try:
-            await self._send(event)
+            await self._send(event, until=lambda: not waiter.done and waiter in self._waiters)
             await self._pump(lambda: waiter.done)
         finally:
             self._waiters.remove(waiter)
@@ -238,14 +277,86 @@ class AsyncChat:
             async with self._read_lock:
                 if done():
                     return
-                self._dispatch(await _recv_json(self._ws, self.timeout))
+                self._dispatch(await self._receive())
+                while self._resend:  # a fence was answered: these never reached the gateway
+                    await self._send_frame(self._resend.pop(0))
 
-    async def _send(self, event: JSON) -> None:
+    async def _receive(self) -> JSON:
+        """The next new event of the session; resumes it first if the connection dropped.
+        The caller holds the read lock."""
+        while True:
+            try:
+                event = await recv_json(self._ws, self.timeout)
+            except ConnectionClosed as exc:
+                if not self._may_resume(exc.rcvd, exc.sent):
+                    raise lost(exc) from None
+                await self._resume()
+                continue
+            if self._cursor.accept(event):  # else a replayed event processed already
+                return event
+
+    async def _send(self, event: JSON, *, until: Callable[[], bool]) -> None:
+        """Send a request; ``until()`` tells whether it still awaits its answer, which is
+        how a resume knows whether it may have been lost with the connection."""
+        self._unconfirmed.add(event, self._connection, until)
+        await self._send_frame(event)
+
+    async def _send_frame(self, event: JSON) -> None:
+        ws = self._ws
         try:
-            async with _deadline(self.timeout, "sending to the gateway"):
-                await self._ws.send(json.dumps(event))
+            async with deadline(self.timeout, "sending to the gateway"):
+                await ws.send(json.dumps(event))
         except ConnectionClosed as exc:
-            raise _lost(exc) from None
+            if not self._may_resume(exc.rcvd, exc.sent):
+                raise lost(exc) from None
+            # The connection dropped: the next read resumes the session, and the fence
+            # sent then tells whether this event must go again.
+
+    # -- resuming ---------------------------------------------------------------------
+
+    def _may_resume(self, rcvd: Close | None, sent: Close | None) -> bool:
+        return (
+            self._dialer.resume
+            and not self._closing
+            and not self._resume_failed
+            and self._cursor.resumable
+            and is_drop(rcvd, sent)
+        )
+
+    async def _resume(self) -> None:
+        """Reconnect and take the session back, or raise :class:`ConnectionLost`.
+
+        The caller holds the read lock: nobody reads meanwhile, and sends go to the dead
+        socket, to be sent again if need be (see :class:`Unconfirmed`).
+        """
+        logger.info("connection lost; resuming session %s", self._cursor.session_id)
+        try:
+            ws, resumed = await reconnect(self._dialer, self._cursor, lambda: self._closing)
+        except ConnectionLost:
+            self._resume_failed = True
+            raise
+        if self._closing:  # close() ran meanwhile: it closed the old socket, not this one
+            await close_quietly(ws)
+            raise ConnectionLost("the chat was closed while its connection was being resumed")
+        self._adopt(ws, resumed)
+        logger.info("session %s resumed after event %d", self._cursor.session_id, self._cursor.last)
+        if self._unconfirmed.any_before(self._connection):
+            # Some request went out on a connection that dropped before its answer came.
+            # The gateway answers this fence (an error: no such item) only after whatever
+            # it received before, and the dispatcher then sends again what is still
+            # unanswered (a response.create must not be sent twice).
+            eid = self._ids.event()
+            self._unconfirmed.fence(eid, self._connection)
+            await self._send_frame(events.item_retrieve(eid, self._ids.item()))
+
+    def _adopt(self, ws: ClientConnection, resumed: JSON) -> None:
+        old, self._ws = self._ws, ws
+        old.transport.abort()  # gone already; nothing of it may linger
+        self._connection += 1
+        self._cursor.resumed(resumed)
+        session = resumed.get("session")
+        if isinstance(session, dict):
+            self.session = session
 
     def _dispatch(self, event: JSON) -> None:
         if event.get("type") == "error":
@@ -261,6 +372,10 @@ class AsyncChat:
         # Anything else (conversation.item.added, an older response's tail...) is informational.
 
     def _dispatch_error(self, err: GatewayError) -> None:
+        lost = self._unconfirmed.fence_answered(err.event_id, self._connection)
+        if lost is not None:
+            self._resend.extend(lost)
+            return
         if err.event_id is not None and err.event_id in self._cancel_ids:
             self._cancel_ids.remove(err.event_id)  # the answer had ended before the cancel
             return
@@ -376,7 +491,7 @@ class AsyncStream:
             # in recv() after the last event this turn will ever get.
             await self._ended.wait()
             return self._reply
-        await self._chat._send_cancel(self.response_id)
+        await self._chat._send_cancel(self.response_id, until=lambda: not self._finished)
         await self._chat._pump(lambda: self._finished)
         return self._reply
 
@@ -466,17 +581,30 @@ class Connect:
     """What :func:`connect` returns: ``async with`` it, or ``await`` it (then close the chat)."""
 
     def __init__(
-        self, url: str | None, api_key: str | None, timeout: float | None, options: SessionOptions
+        self,
+        url: str | None,
+        api_key: str | None,
+        timeout: float | None,
+        resume: bool,
+        resume_timeout: float,
+        options: SessionOptions,
     ) -> None:
         self._url = url
         self._api_key = api_key
         self._timeout = timeout
+        self._resume = resume
+        self._resume_timeout = resume_timeout
         self._options = options
         self._chat: AsyncChat | None = None
 
     def __await__(self) -> Generator[Any, None, AsyncChat]:
         return AsyncChat.open(
-            self._url, api_key=self._api_key, timeout=self._timeout, **self._options
+            self._url,
+            api_key=self._api_key,
+            timeout=self._timeout,
+            resume=self._resume,
+            resume_timeout=self._resume_timeout,
+            **self._options,
         ).__await__()
 
     async def __aenter__(self) -> AsyncChat:
@@ -498,73 +626,18 @@ def connect(
     *,
     api_key: str | None = None,
     timeout: float | None = DEFAULT_TIMEOUT,
+    resume: bool = True,
+    resume_timeout: float = RESUME_TIMEOUT,
     **options: Unpack[SessionOptions],
 ) -> Connect:
     """Open a conversation: ``async with connect(url, instructions=...) as chat``.
 
     ``url`` defaults to ``$GATEWAY_URL``, then ``ws://127.0.0.1:8765/v1/realtime``.
     ``timeout`` bounds every wait for the gateway (seconds; ``None``: wait forever).
+    ``resume``: when the connection drops, reconnect and resume the session, trying for
+    up to ``resume_timeout`` seconds, so that calls go on unaware (``False``: raise
+    :class:`ConnectionLost` at once).
     ``options`` (instructions, max_output_tokens, temperature, top_p, seed, stop) are sent
     with ``session.update`` and apply to every answer.
     """
-    return Connect(url, api_key, timeout, options)
-
-
-# -- socket helpers ---------------------------------------------------------------------
-
-
-@contextlib.asynccontextmanager
-async def _deadline(seconds: float | None, doing: str) -> AsyncIterator[None]:
-    try:
-        async with asyncio.timeout(seconds):
-            yield
-    except TimeoutError:
-        raise GatewayTimeout(f"no progress {doing} for {seconds} s") from None
-
-
-async def _open_socket(url: str, api_key: str | None, seconds: float | None) -> ClientConnection:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    try:
-        return await ws_connect(url, additional_headers=headers, open_timeout=seconds)
-    except InvalidStatus as exc:
-        raise _refused(exc) from None
-    except TimeoutError:
-        raise GatewayTimeout(f"no WebSocket handshake with {url} within {seconds} s") from None
-    except (OSError, InvalidHandshake, InvalidURI) as exc:
-        raise GatewayUnavailable(f"cannot connect to the gateway at {url}: {exc}") from exc
-
-
-def _refused(exc: InvalidStatus) -> HandshakeRefused:
-    status = exc.response.status_code
-    code = "unauthorized" if status in (401, 403) else f"http_{status}"
-    message = exc.response.body.decode(errors="replace").strip() if exc.response.body else ""
-    with contextlib.suppress(ValueError, AttributeError, TypeError):
-        error = json.loads(message).get("error", {})
-        code, message = str(error.get("code") or code), str(error.get("message") or message)
-    return HandshakeRefused(status, code, message or exc.response.reason_phrase)
-
-
-async def _recv_json(ws: ClientConnection, seconds: float | None) -> JSON:
-    """The next server event. Cancelling ``recv`` loses nothing, so the timeout is safe."""
-    try:
-        async with _deadline(seconds, "waiting for the gateway"):
-            frame = await ws.recv()
-    except ConnectionClosed as exc:
-        raise _lost(exc) from None
-    try:
-        event = json.loads(frame)
-    except ValueError:
-        raise ClientError(f"the gateway sent a frame that is not JSON: {frame[:80]!r}") from None
-    if not isinstance(event, dict):
-        raise ClientError(f"the gateway sent a frame that is not an event: {frame[:80]!r}")
-    return event
-
-
-def _lost(exc: ConnectionClosed) -> ConnectionLost:
-    close = exc.rcvd or exc.sent
-    code = close.code if close is not None else None
-    reason = close.reason if close is not None else ""
-    detail = f" (close code {code}{': ' + reason if reason else ''})" if code is not None else ""
-    return ConnectionLost(
-        f"the connection to the gateway was lost{detail}", code=code, reason=reason
-    )
+    return Connect(url, api_key, timeout, resume, resume_timeout, options)

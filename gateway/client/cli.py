@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds to wait for any event"
     )
+    parser.add_argument(
+        "--no-resume",
+        dest="resume",
+        action="store_false",
+        help="do not resume the conversation after a dropped connection",
+    )
     return parser
 
 
@@ -153,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def connect(options: SessionOptions) -> SyncChat:
-        return connect_sync(args.url, api_key=args.api_key, timeout=args.timeout, **options)
+        return connect_sync(
+            args.url, api_key=args.api_key, timeout=args.timeout, resume=args.resume, **options
+        )
 
     try:
         if args.once is not None:

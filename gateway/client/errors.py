@@ -73,12 +73,27 @@ class HandshakeRefused(GatewayError):
 
 
 class ConnectionLost(ClientError, ConnectionError):
-    """The WebSocket closed while the client still expected events (or before a send)."""
+    """The connection ended for good while the client still expected events (or before a send).
 
-    def __init__(self, message: str, *, code: int | None = None, reason: str = "") -> None:
+    A connection that dropped (no close frame) is first resumed; this is raised only when
+    that failed: ``resume_error`` is then the gateway's refusal (``session_not_found``,
+    ``resume_gap``), or ``None`` if no connection could be made in time (the cause is
+    chained). A close the gateway chose has its close ``code`` and ``reason`` (1001: the
+    gateway shut down; 4001: another connection took the session over).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: int | None = None,
+        reason: str = "",
+        resume_error: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.reason = reason
+        self.resume_error = resume_error
 
 
 class GatewayUnavailable(ClientError, ConnectionError):

@@ -119,6 +119,10 @@ def response_cancel(event_id: str, response_id: str | None) -> JSON:
     return event
 
 
+def item_retrieve(event_id: str, item_id: str) -> JSON:
+    return {"type": "conversation.item.retrieve", "event_id": event_id, "item_id": item_id}
+
+
 def response_id_of(event: Mapping[str, Any]) -> str | None:
     """The response a server event belongs to (``response.*`` events name it one of two ways)."""
     rid = event.get("response_id")

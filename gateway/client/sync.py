@@ -24,6 +24,7 @@ from gateway.client.aio import DEFAULT_TIMEOUT, AsyncChat, AsyncStream
 from gateway.client.errors import ClientError
 from gateway.client.events import JSON, ResponseOptions, SessionOptions
 from gateway.client.reply import Reply
+from gateway.client.resume import RESUME_TIMEOUT
 
 T = TypeVar("T")
 
@@ -169,7 +170,13 @@ class SyncChat:
 
     @property
     def closed(self) -> bool:
+        """True once the chat cannot be used any more (see :attr:`AsyncChat.closed`)."""
         return self._chat.closed
+
+    @property
+    def session_id(self) -> str | None:
+        """The gateway's id of this conversation (it stays the same across resumes)."""
+        return self._chat.session_id
 
     def ask(self, text: str, **options: Unpack[ResponseOptions]) -> Reply:
         """Send ``text`` and return the whole answer; Ctrl-C cancels it on the gateway."""
@@ -237,6 +244,8 @@ def connect_sync(
     *,
     api_key: str | None = None,
     timeout: float | None = DEFAULT_TIMEOUT,
+    resume: bool = True,
+    resume_timeout: float = RESUME_TIMEOUT,
     **options: Unpack[SessionOptions],
 ) -> SyncChat:
     """Open a conversation with blocking calls: ``with connect_sync(url) as chat``.
@@ -245,7 +254,15 @@ def connect_sync(
     """
     runner = _LoopThread()
     try:
-        chat = runner.run(AsyncChat.open(url, api_key=api_key, timeout=timeout, **options))
+        opening = AsyncChat.open(
+            url,
+            api_key=api_key,
+            timeout=timeout,
+            resume=resume,
+            resume_timeout=resume_timeout,
+            **options,
+        )
+        chat = runner.run(opening)
     except BaseException:
         runner.stop()
         raise
