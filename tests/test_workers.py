@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,7 +19,9 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+import gateway.client as gc
 from gateway import relay
+from tests.test_client import cut_at_random
 from tests.test_resume import Resumable, response_text
 
 WORKERS = 2
@@ -177,3 +181,29 @@ async def test_a_resume_reaching_the_other_worker_is_relayed_to_the_one_holding_
         "incomplete",
     )
     await client.close()
+
+
+async def test_the_python_client_resumes_through_whichever_worker_it_reaches(
+    gateway_workers: tuple[subprocess.Popen[bytes], int],
+) -> None:
+    process, port = gateway_workers
+    base = f"127.0.0.1:{port}"
+    wait_until_serving(process, base)
+    rng = random.Random(3)
+    cuts: list[float] = []
+    async with gc.connect(f"ws://{base}/v1/realtime") as chat:
+        session_id = chat.session_id
+        cutter = asyncio.create_task(cut_at_random(chat, rng, cuts))
+        try:
+            for question in ("Tell me a long story.", "And then?"):
+                stream = chat.stream(question, max_output_tokens=60)
+                deltas = [delta async for delta in stream]
+                assert stream.reply is not None and stream.reply.status in (
+                    "completed",
+                    "incomplete",
+                )
+                assert "".join(deltas) == stream.reply.text != ""  # nothing lost or repeated
+        finally:
+            cutter.cancel()
+        assert chat.session_id == session_id  # one conversation throughout
+    assert len(cuts) >= 3
