@@ -237,7 +237,8 @@ class Engine(abc.ABC):
     async def start(self) -> None:
         """Load the model. May take long; ``/readyz`` stays 503 until it returns.
 
-        Overrides call this first: it binds :attr:`outputs` to the running loop.
+        It binds :attr:`outputs` to the running loop, which engines that report from
+        threads need before their first ``submit``: overrides call it (or ``bind``).
         """
         self.outputs.bind(asyncio.get_running_loop())
         self._ready = True
