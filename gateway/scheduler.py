@@ -105,12 +105,14 @@ class Scheduler:
         max_queued: int,
         metrics: Metrics | None = None,
         generation_timeout: float = 0.0,
+        merge_deltas: bool = True,
     ) -> None:
         self.engine = engine
         self.max_running = max_running
         self.max_queued = max_queued
         self.metrics = metrics or Metrics()
         self.generation_timeout = generation_timeout  # 0: no watchdog
+        self.merge_deltas = merge_deltas  # False: a frame per token (--no-coalesce)
         self._running: dict[str, Job] = {}  # by request id: the jobs that get output
         self._draining: dict[str, float] = {}  # aborted, engine not yet confirmed: since when
         self._queues: dict[str, deque[Job]] = {}  # waiting jobs per session, FIFO each
@@ -251,7 +253,14 @@ class Scheduler:
 
     def _fan_out(self, batch: list[StepOutput]) -> None:
         now = time.perf_counter()
-        running, metrics = self._running, self.metrics
+        running = self._running
+        # More outputs than running jobs: some job got several tokens since the last
+        # wake-up (this task fell behind the engine, which ran steps meanwhile). Merging
+        # each job's text of the batch into one delta is then what lets a saturated
+        # gateway catch up: a frame costs far more than a token.
+        merged: dict[Job, list[str]] | None = (
+            {} if self.merge_deltas and len(batch) > len(running) else None
+        )
         for request_id, output in batch:
             job = running.get(request_id)
             if job is None:
@@ -260,20 +269,33 @@ class Scheduler:
                 continue  # the tail of a job that already ended (cancelled, timed out)
             if output.__class__ is str:  # the hot path: one token of text
                 text: str = output
-                tokens = 1
+                job.output_tokens += 1
             elif isinstance(output, TextDelta):
-                text, tokens = output.text, output.tokens
+                text = output.text
+                job.output_tokens += output.tokens
             else:
+                if merged is not None and (earlier := merged.pop(job, None)):
+                    self._deliver(job, "".join(earlier), now)  # what came before it, first
                 self._other(job, output, now)
                 continue
-            if job.parts:
-                metrics.inter_token.observe(now - job.last_token_at)
+            if merged is None:
+                self._deliver(job, text, now)
+            elif (parts := merged.get(job)) is None:
+                merged[job] = [text]
             else:
-                metrics.ttft.observe(now - job.submitted_at)
-            job.last_token_at = now
-            job.parts.append(text)
-            job.output_tokens += tokens
-            job.sink.on_delta(job, text)
+                parts.append(text)
+        if merged:
+            for job, parts in merged.items():
+                self._deliver(job, parts[0] if len(parts) == 1 else "".join(parts), now)
+
+    def _deliver(self, job: Job, text: str, now: float) -> None:
+        if job.parts:
+            self.metrics.inter_token.observe(now - job.last_token_at)
+        else:
+            self.metrics.ttft.observe(now - job.submitted_at)
+        job.last_token_at = now
+        job.parts.append(text)
+        job.sink.on_delta(job, text)
 
     def _other(self, job: Job, output: Output, now: float) -> None:
         """Everything but text: tool-call deltas, prompt counts, the end."""

@@ -61,11 +61,13 @@ class Gateway:
             max_queued=config.max_queued,
             metrics=self.metrics,
             generation_timeout=config.generation_timeout,
+            merge_deltas=config.coalesce,
         )
         self.sessions: set[Session] = set()  # connected or detached
         self._sessions_by_id: dict[str, Session] = {}
         self._session_tasks: set[asyncio.Task[None]] = set()
         self._detached: set[Session] = set()
+        self._ended_traffic = (0, 0, 0)  # frames, delta frames, bytes of ended sessions
         self._replay_budget = ReplayBudget(config.replay_buffer_total_bytes)
         self._server: Server | None = None
         self._stopping = False
@@ -219,6 +221,21 @@ class Gateway:
             "responses": {"running": self.scheduler.running, "queued": self.scheduler.queued},
         }
 
+    def _render_metrics(self) -> bytes:
+        # Frames and bytes are counted per session (a few additions on the hot path, no
+        # call); the gateway's totals are summed here, at scrape time.
+        frames, delta_frames, sent = self._ended_traffic
+        for session in self.sessions:
+            stats = session.outbox.stats
+            frames += stats.frames_out
+            delta_frames += stats.delta_frames_out
+            sent += stats.bytes_out
+        m = self.metrics
+        m.frames.set(frames)
+        m.delta_frames.set(delta_frames)
+        m.bytes_out.set(sent)
+        return m.render()
+
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         try:
             return self._route(request)
@@ -249,7 +266,7 @@ class Gateway:
                 return http.json_response(200 if ready else 503, {"ready": ready})
             if path == "/metrics":
                 return http.response(
-                    200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8"
+                    200, self._render_metrics(), "text/plain; version=0.0.4; charset=utf-8"
                 )
             if path == PAGE_CONFIG_PATH:
                 return http.json_response(200, {"client_secret_url": self.config.client_secret_url})
@@ -364,7 +381,7 @@ class Gateway:
             await close_socket(ws, 1013, "too many sessions")
             return
         cap_kernel_send_buffer(ws)
-        wire = SocketWire(ws, self.metrics)
+        wire = SocketWire(ws)
         self._wires.add(wire)
         session: Session | None = self._open_session()
         assert session is not None
@@ -382,7 +399,7 @@ class Gateway:
         if self._stopping:
             await close_socket(ws, 1001, "server shutting down")
             return
-        wire = SocketWire(ws, self.metrics)
+        wire = SocketWire(ws)
         self._wires.add(wire)
         session: Session | None = None
         try:
@@ -443,6 +460,12 @@ class Gateway:
             self.sessions.discard(session)
             del self._sessions_by_id[session.id]
             session.outbox.release()
+            stats, (frames, deltas, sent) = session.outbox.stats, self._ended_traffic
+            self._ended_traffic = (
+                frames + stats.frames_out,
+                deltas + stats.delta_frames_out,
+                sent + stats.bytes_out,
+            )
             self.metrics.sessions.dec()
             self._set_detached(session, False)
 

@@ -12,10 +12,8 @@ import contextlib
 import socket
 
 from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidState
 from websockets.protocol import State
-
-from gateway.metrics import Metrics
 
 CLOSE_TIMEOUT = 2.0
 KERNEL_SEND_BUFFER = 64 << 10  # per connection (Linux doubles it for bookkeeping)
@@ -34,7 +32,6 @@ class SocketWire:
 
     __slots__ = (
         "_close_task",
-        "_metrics",
         "_probe",
         "_probe_at",
         "_probed_bytes",
@@ -43,10 +40,9 @@ class SocketWire:
         "_ws",
     )
 
-    def __init__(self, ws: ServerConnection, metrics: Metrics) -> None:
+    def __init__(self, ws: ServerConnection) -> None:
         self._ws = ws
         self._protocol = ws.protocol
-        self._metrics = metrics
         self._close_task: asyncio.Task[None] | None = None
         self._sent_bytes = 0
         self._probed_bytes = 0  # what was sent when the last probe went out
@@ -57,16 +53,17 @@ class SocketWire:
         return not self._ws.paused
 
     def write(self, frame: bytes) -> None:
-        if self._protocol.state is not State.OPEN:
-            return  # closing or gone: the frame stays in the replay buffer only
-        self._protocol.send_text(frame)
+        try:
+            self._protocol.send_text(frame)
+        except InvalidState:  # closing or gone: the frame stays in the replay buffer only
+            return
         self._ws.send_data()
-        self._count(frame)
+        self._sent_bytes += len(frame)
 
     async def write_later(self, frame: bytes) -> None:
         with contextlib.suppress(ConnectionClosed):
             await self._ws.send(frame, text=True)
-            self._count(frame)
+            self._sent_bytes += len(frame)
 
     def close(self, code: int, reason: str) -> None:
         self._close(code, reason)
@@ -108,17 +105,6 @@ class SocketWire:
         """Until the close this wire started (if any) is done."""
         if self._close_task is not None:
             await asyncio.shield(self._close_task)
-
-    def _count(self, frame: bytes) -> None:
-        self._sent_bytes += len(frame)
-        m = self._metrics
-        m.frames.inc()
-        m.bytes_out.inc(len(frame))
-        if frame.startswith(_DELTA_PREFIX):
-            m.delta_frames.inc()
-
-
-_DELTA_PREFIX = b'{"type":"response.output_text.delta"'
 
 
 def cap_kernel_send_buffer(ws: ServerConnection) -> None:

@@ -24,11 +24,14 @@ Nothing here imports the network: the socket end is a :class:`Wire`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import secrets
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+
+import orjson
 
 from gateway.protocol import JSON, encode
 
@@ -37,6 +40,8 @@ from gateway.protocol import JSON, encode
 _DELTA_OVERHEAD = 160
 _PART_OVERHEAD = 64
 _MAX_PARTS = 256
+_DELTA_HEAD = b'{"type":"response.output_text.delta","event_id":"event_'
+_DELTA_INDEXES = b',"output_index":0,"content_index":0,"delta":'
 
 
 class Wire(Protocol):
@@ -84,7 +89,7 @@ _Entry = bytes | _PendingDelta | _Numbered | CloseRequest
 @dataclass(slots=True)
 class OutboxStats:
     deltas_in: int = 0  # deltas handed to the outbox
-    frames_out: int = 0  # frames handed to the socket
+    frames_out: int = 0  # frames numbered for the socket (written, or kept for a resume)
     delta_frames_out: int = 0  # of which text deltas (fewer than deltas_in when coalescing)
     bytes_out: int = 0
 
@@ -122,8 +127,12 @@ class Outbox:
         self._seq = 0
         self._tag = secrets.token_hex(4)  # event ids: unique per session, cheap to make
         self._tag_bytes = self._tag.encode()
-        self._replay: deque[tuple[int, bytes]] = deque()
+        self._replay: deque[bytes] = deque()  # sent frames, numbered from _replay_first
+        self._replay_first = 0
         self._replay_bytes = 0
+        self._delta_response: str | None = None  # whose ids _delta_ids holds
+        self._delta_item: str | None = None
+        self._delta_ids = b""
         self._replay_limit = replay_bytes
         self._budget = replay_budget or ReplayBudget(replay_bytes)
         self.lost = False  # events were dropped: a resume cannot be seamless any more
@@ -163,8 +172,14 @@ class Outbox:
         if self._closed:
             return
         self.stats.deltas_in += 1
-        if self._can_write_now():
-            self._write(_PendingDelta(response_id, item_id, [text]))
+        wire = self._wire
+        if not self._pending and self._writer is None and wire is not None and wire.writable():
+            # The hot path: one token, straight to the socket.
+            self._seq += 1
+            frame = self._delta_frame(self._seq, response_id, item_id, text)
+            self._sent(self._seq, frame)
+            self.stats.delta_frames_out += 1
+            wire.write(frame)
             return
         pending = self._open.get(response_id) if self._coalesce else None
         if pending is not None:
@@ -212,10 +227,10 @@ class Outbox:
         are no longer kept (or were never sent)."""
         if self.lost or not 0 <= last_sequence_number <= self._seq:
             return None
-        first_kept = self._replay[0][0] if self._replay else self._seq + 1
+        first_kept = self._replay_first if self._replay else self._seq + 1
         if last_sequence_number + 1 < first_kept:
             return None
-        return [frame for seq, frame in self._replay if seq > last_sequence_number]
+        return list(itertools.islice(self._replay, last_sequence_number + 1 - first_kept, None))
 
     def release(self) -> None:
         """The session ended: give the replay buffer's bytes back to the shared budget."""
@@ -292,21 +307,9 @@ class Outbox:
             return entry.frame
         self._seq += 1
         seq = self._seq
-        stats = self.stats
         if isinstance(entry, _PendingDelta):
-            frame = encode(
-                {
-                    "type": "response.output_text.delta",
-                    "event_id": f"event_{self._tag}_{seq:x}",
-                    "sequence_number": seq,
-                    "response_id": entry.response_id,
-                    "item_id": entry.item_id,
-                    "output_index": 0,
-                    "content_index": 0,
-                    "delta": "".join(entry.parts),
-                }
-            )
-            stats.delta_frames_out += 1
+            frame = self._delta_frame(seq, entry.response_id, entry.item_id, "".join(entry.parts))
+            self.stats.delta_frames_out += 1
         else:
             # The body is an encoded JSON object: splice the two fields in after "{".
             frame = b'{"event_id":"event_%b_%x","sequence_number":%d,%b' % (
@@ -315,25 +318,48 @@ class Outbox:
                 seq,
                 entry[1:],
             )
-        stats.frames_out += 1
-        stats.bytes_out += len(frame)
-        self._remember(seq, frame)
+        self._sent(seq, frame)
         return frame
 
-    def _remember(self, seq: int, frame: bytes) -> None:
+    def _delta_frame(self, seq: int, response_id: str, item_id: str, text: str) -> bytes:
+        """A ``response.output_text.delta`` event, built from bytes: one per token, so
+        cheaper than a dict for orjson. The ids' part is made once per response."""
+        if response_id is not self._delta_response or item_id is not self._delta_item:
+            self._delta_response, self._delta_item = response_id, item_id
+            self._delta_ids = b',"response_id":%b,"item_id":%b' % (
+                orjson.dumps(response_id),
+                orjson.dumps(item_id),
+            )
+        return b'%b%b_%x","sequence_number":%d%b%b%b}' % (
+            _DELTA_HEAD,
+            self._tag_bytes,
+            seq,
+            seq,
+            self._delta_ids,
+            _DELTA_INDEXES,
+            orjson.dumps(text),  # escapes the text as JSON does
+        )
+
+    def _sent(self, seq: int, frame: bytes) -> None:
+        """Count ``frame`` (numbered ``seq``) and keep it for a resume."""
+        size = len(frame)
+        self.stats.frames_out += 1
+        self.stats.bytes_out += size
         if not self._replay_limit:  # resume is off
             return
-        self._replay.append((seq, frame))
-        size = len(frame)
+        if not self._replay:
+            self._replay_first = seq
+        self._replay.append(frame)
         self._replay_bytes += size
         budget = self._budget
         budget.used += size
-        while self._replay and (
-            self._replay_bytes > self._replay_limit or budget.used > budget.limit
-        ):
-            _, old = self._replay.popleft()
-            self._replay_bytes -= len(old)
-            budget.used -= len(old)
+        while self._replay_bytes > self._replay_limit or budget.used > budget.limit:
+            old = len(self._replay.popleft())
+            self._replay_first += 1
+            self._replay_bytes -= old
+            budget.used -= old
+            if not self._replay:
+                break
 
     def _check_limits(self) -> None:
         if len(self._pending) > self._max_pending or self._bytes > self._pending_limit:

@@ -79,12 +79,14 @@ async def test_a_completed_response_moves_the_counters(gw: RunningGateway) -> No
     assert grew("gateway_time_to_first_token_seconds_count") == 1
     assert grew("gateway_response_duration_seconds_count") == 1
     assert grew("gateway_queue_wait_seconds_count") == 1
-    assert grew("gateway_inter_token_seconds_count") == 99  # 100 deltas, 99 gaps
-    assert grew("gateway_deltas_total") == 100
     assert grew("gateway_output_tokens_total") == 100
-    # Coalescing may merge deltas into fewer frames, never more.
+    # A gateway that falls behind its engine merges a job's tokens of one batch into one
+    # delta (and the outbox merges a slow reader's deltas into fewer frames), never more.
+    deltas = grew("gateway_deltas_total")
+    assert 1 <= deltas <= 100
+    assert grew("gateway_inter_token_seconds_count") == deltas - 1
     delta_frames = grew("gateway_delta_frames_sent_total")
-    assert 1 <= delta_frames <= 100
+    assert 1 <= delta_frames <= deltas
     assert delta_frames == len(turn.deltas)
     # Every event the client received is one frame, counted by the time the next scrape runs:
     # session.created, item added+done, the response's events.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -138,3 +139,25 @@ async def test_close_ends_everything(engine: SimEngine) -> None:
     assert len(sink.outcomes) == 4
     assert {o.cancel_reason for o in sink.outcomes.values()} == {"server_shutdown"}
     assert not scheduler.submit(job("late", "s", sink))
+
+
+@pytest.mark.parametrize("merge", [True, False])
+async def test_a_scheduler_that_fell_behind_merges_each_jobs_tokens_of_a_batch(
+    engine: SimEngine, merge: bool
+) -> None:
+    engine.step_s, engine.response_tokens = 0.005, 40
+    scheduler = Scheduler(engine, max_running=4, max_queued=4, merge_deltas=merge)
+    sink = Recorder()
+    for i in range(3):
+        scheduler.submit(job(f"j{i}", f"s{i}", sink))
+    await until(lambda: len(sink.deltas) == 3)
+    time.sleep(0.05)  # noqa: ASYNC251 (the loop is busy elsewhere: steps pile up)
+    await sink.wait_for(3)
+    for rid, outcome in sink.outcomes.items():
+        deltas = sink.deltas[rid]
+        assert "".join(deltas) == outcome.text  # lossless either way
+        assert outcome.usage.output_tokens == 40
+        if merge:
+            assert len(deltas) < 40  # the steps that piled up went out as one delta each
+        else:
+            assert len(deltas) == 40  # a delta per token, as --no-coalesce promises

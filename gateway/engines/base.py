@@ -287,7 +287,11 @@ class OutputChannel:
         self._flush_scheduled = False
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        """Threads report to ``loop`` from now on (an engine can outlive a loop, as in
+        tests: a flush scheduled on a previous loop would never run)."""
+        if loop is not self._loop:
+            self._loop = loop
+            self._flush_threads()
 
     def put(self, request_id: str, output: Output) -> None:
         """Report one output (event loop thread), after whatever threads reported before."""
@@ -326,11 +330,7 @@ class OutputChannel:
     async def get(self) -> list[StepOutput]:
         """Everything reported since the last call (waits while there is nothing)."""
         loop = asyncio.get_running_loop()
-        if loop is not self._loop:
-            # Threads report to the loop that reads (an engine can outlive a loop, as in
-            # tests); a flush scheduled on a previous loop will never run.
-            self._loop = loop
-            self._flush_threads()
+        self.bind(loop)
         while not self._batch:
             self._waiter = loop.create_future()
             try:

@@ -489,9 +489,11 @@ class LlamaCppEngine(Engine):
                 rid, EngineError("engine_not_ready", "the llamacpp engine is not started")
             )
             return
+        loop = asyncio.get_running_loop()
+        self.outputs.bind(loop)  # where the worker's chunks go
         with self._lock:
             slot = self._slot_table.acquire(request.affinity_key)
-        generation = _Generation(request, slot, asyncio.get_running_loop())
+        generation = _Generation(request, slot, loop)
         generation.thread = threading.Thread(
             target=self._work, args=(generation,), name=f"llamacpp-{rid}", daemon=True
         )
