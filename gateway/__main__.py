@@ -42,13 +42,15 @@ def default_loop() -> str:
     return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
 
 
-def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """What makes the event loop ``--loop`` names (None: asyncio's own)."""
-    if name != "uvloop":
-        return None
-    import uvloop
+def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
+    """What makes the event loop ``--loop`` names, whatever event loop policy is set."""
+    if name == "uvloop":
+        import uvloop
 
-    return uvloop.new_event_loop
+        return uvloop.new_event_loop
+    if sys.platform == "win32":
+        return asyncio.ProactorEventLoop
+    return asyncio.SelectorEventLoop
 
 
 def _number(
@@ -304,8 +306,20 @@ async def serve(gateway: Gateway) -> None:
     """Run until SIGTERM/SIGINT, then shut down gracefully."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
         loop.add_signal_handler(sig, stop.set)
+    try:
+        await _serve(gateway, stop)
+    finally:
+        # uvloop, unlike asyncio, leaves its handlers installed when the loop closes:
+        # Ctrl-C would then be swallowed for the rest of the process (main() in a notebook).
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+async def _serve(gateway: Gateway, stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
     began = time.perf_counter()
     try:
         await gateway.start()

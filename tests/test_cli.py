@@ -298,3 +298,19 @@ def test_the_environment_sets_the_default_loop_and_a_wrong_one_is_one_line() -> 
     assert done.stderr.splitlines() == [
         f"llm-gateway: {LOOP_ENV_VAR}=trio: expected asyncio or uvloop (--help lists every flag)"
     ]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_ctrl_c_works_again_after_main_returns(
+    loop: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # main() in-process (a notebook, a test) must hand SIGINT and SIGTERM back as it found
+    # them: uvloop leaves its own handlers behind unless they are removed before it closes.
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        argv = ["--engine", "sim", "--loop", loop, "--port", str(taken.getsockname()[1])]
+        assert main(argv) == 1
+    assert "already in use" in capsys.readouterr().err
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
