@@ -54,7 +54,7 @@ test: $(STAMP) $(SDK_STAMP)
 	done
 
 bench: $(STAMP)
-	$(BIN)/python -m bench.run
+	$(BIN)/python -m bench.run --profile
 
 # examples/notebook.ipynb in JupyterLab, on the project's own environment (its kernel is
 # $(VENV)'s Python). JupyterLab is installed into $(VENV) on first use. Start the gateway
