@@ -512,9 +512,11 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [
             "## Profiles",
             "",
-            "py-spy sampling the gateway process (200 Hz, not pausing it) over a "
-            "one-token-per-frame window run for the purpose (not the measured one); the top "
-            "of each view, the whole of it in `profile-frame-*.txt`.",
+            "py-spy sampling the server process (200 Hz) over a one-token-per-frame window "
+            "run for the purpose (not the measured one: sampling pauses the process for each "
+            "stack); the top of each view, the whole of it in `profile-frame-*.txt` (not "
+            "committed). Time in C (the send syscall, orjson, uvloop) is charged to the Python "
+            "line that called it.",
             "",
         ]
         for text in profiles.values():

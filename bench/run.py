@@ -336,7 +336,7 @@ def run_idle(
 
 
 def profile(system: str, engine: Engine, w: Workload, loop: str, out: Path) -> str:
-    """Run ``w`` against ``system`` with py-spy sampling the gateway over the window."""
+    """Run ``w`` against ``system`` with py-spy sampling its server over the window."""
     from bench import pyspy
 
     name = f"frame-{system.replace('@', '-')}"
@@ -457,7 +457,8 @@ def standard(quick: bool, loop: str) -> dict[str, Any]:
 
 
 def run_profiles(quick: bool, loop: str, out: Path) -> dict[str, str]:
-    """py-spy on the gateway under the one-token-per-frame load: sim, then upstream."""
+    """py-spy under the one-token-per-frame load: the gateway on sim, on the upstream
+    path, and the bare websockets server for comparison."""
     from bench import pyspy
 
     if pyspy.executable() is None:
@@ -465,7 +466,8 @@ def run_profiles(quick: bool, loop: str, out: Path) -> dict[str, str]:
         return {}
     engine = Engine(step_ms=0, response_tokens=100 if quick else 300)
     w = Workload(sessions=50 if quick else 200, think=(0.0, 0.0), duration=4.0 if quick else 10.0)
-    return {system: profile(system, engine, w, loop, out) for system in ("gateway", "upstream")}
+    systems = ("gateway", "upstream", "bare")
+    return {system: profile(system, engine, w, loop, out) for system in systems}
 
 
 def main(argv: list[str] | None = None) -> int:
