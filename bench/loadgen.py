@@ -483,9 +483,11 @@ def run_load(
     lands in ``extra``. For an idle workload that is the measurement itself. The
     workers run on the event loop ``loop`` names (the bare engine baseline runs in
     them). ``also_sample``: more processes whose CPU over the window goes into
-    ``extra["cpu_s"]`` (an upstream server behind the gateway).
+    ``extra["cpu_s"]`` (an upstream server behind the gateway); the whole machine's
+    busy CPU over the window goes into ``extra["machine_busy_s"]``, so that work
+    that is not the benchmark's shows.
     """
-    from bench.procs import cpu_seconds
+    from bench.procs import cpu_seconds, machine_busy_seconds
 
     ctx = mp.get_context("spawn")
     shares = [list(range(k, w.sessions, workers)) for k in range(workers)]
@@ -508,14 +510,16 @@ def run_load(
         for p in pipes:
             p.send(("go", go))
         server_cpu = None
-        if server_pid is not None and w.mode != "idle":
-            sampled = [server_pid, *also_sample]
+        if w.mode != "idle":
+            sampled = [server_pid, *also_sample] if server_pid is not None else []
             time.sleep(max(0.0, win.start - now()))
             cpu0 = [cpu_seconds(pid) for pid in sampled]
+            busy0 = machine_busy_seconds()
             time.sleep(max(0.0, win.end - now()))
             cpu = [cpu_seconds(pid) - c for pid, c in zip(sampled, cpu0, strict=True)]
-            server_cpu = cpu[0]
+            extra["machine_busy_s"] = machine_busy_seconds() - busy0
             extra["cpu_s"] = dict(zip(sampled, cpu, strict=True))
+            server_cpu = cpu[0] if cpu else None
         tally = Tally()
         limit = w.warmup + w.duration + w.drain + 30
         for p in pipes:

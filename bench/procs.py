@@ -26,6 +26,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy so far, all CPUs together
+    (/proc/stat: user, nice, system, irq, softirq and steal; not idle or iowait)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / _TICK
+
+
 def rss_bytes(pid: int) -> int:
     """Resident memory of ``pid`` now (/proc/PID/statm, second field)."""
     return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE

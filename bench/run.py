@@ -183,10 +183,16 @@ def summarize(scenario: str, system: str, w: Workload, r: LoadResult, s: Serving
         "client_cpu_s": t.cpu_s,
         "load_avg_1m": os.getloadavg()[0],
     }
+    upstream_cpu = 0.0
     if s.also_sample:
         upstream_cpu = r.extra["cpu_s"][s.also_sample[0]]
         row["upstream_cpu_util"] = upstream_cpu / w.duration
         row["upstream_cpu_us_per_token"] = 1e6 * upstream_cpu / tokens if tokens else math.nan
+    if "machine_busy_s" in r.extra:
+        # What the machine did besides this benchmark's processes (other work, kernel
+        # threads): the figure that says whether a row was measured on a quiet machine.
+        ours = (r.server_cpu_s or 0.0) + t.cpu_s + upstream_cpu
+        row["other_cpu_util"] = max(0.0, r.extra["machine_busy_s"] - ours) / w.duration
     for name, values in (
         ("ttft", t.ttft),
         ("tpot", t.tpot),
@@ -221,7 +227,8 @@ def log_row(row: dict[str, Any]) -> None:
         f"ttft_p99={row['ttft_p99']:.1f}ms gap_p99={row['gap_p99']:.1f}ms "
         f"tok/s={row['tokens_s']:.0f} frames/s={row['delta_frames_s']:.0f} "
         f"cpu={row['cpu_us_per_token']:.1f}us/tok cancel_p99={row['cancel_p99']:.1f}ms "
-        f"errors={row['errors']} mismatch={row['text_mismatch']}"
+        f"errors={row['errors']} mismatch={row['text_mismatch']} "
+        f"other_cpu={row.get('other_cpu_util', math.nan):.2f}"
     )
 
 
@@ -233,12 +240,19 @@ def run_systems(
     rows: list[dict[str, Any]],
     loop: str,
 ) -> None:
-    """Each system in turn, every workload against one server process."""
+    """Each system in turn, every workload against one server process. A system named
+    twice runs twice (a fresh process each time): its rows say which run they are."""
     for system in systems:
         with serving(system, engine, loop) as s:
             for w in workloads:
                 row = summarize(scenario, system, w, load(s, w), s)
                 row.update(step_ms=engine.step_ms, response_tokens=engine.response_tokens)
+                row["run"] = 1 + sum(
+                    r["scenario"] == scenario
+                    and r["system"] == system
+                    and r["sessions"] == w.sessions
+                    for r in rows
+                )
                 rows.append(row)
                 log_row(row)
 
@@ -402,8 +416,11 @@ def standard(quick: bool, loop: str) -> dict[str, Any]:
     # 2. One token per frame: the sim flat out (a step per loop turn), 300-token answers,
     #    no pause between turns; the bare server sends each token as its own frame.
     frame_engine = Engine(step_ms=0, response_tokens=100 if quick else 300)
+    #    Bare and gateway alternate, twice each: the targets use their means, so that a
+    #    burst of other work on the machine does not decide a ratio alone.
     frame = [replace(base, sessions=50 if quick else 200, think=(0.0, 0.0))]
-    systems = ["bare", "gateway"] + ([f"bare@{other}", f"gateway@{other}"] if other else [])
+    systems = ["bare", "gateway", "bare", "gateway"]
+    systems += [f"bare@{other}", f"gateway@{other}"] if other else []
     run_systems("frame", systems, frame_engine, frame, rows, loop)
 
     # 3. The upstream path: the same load through --engine upstream and an SSE server.
@@ -422,7 +439,8 @@ def standard(quick: bool, loop: str) -> dict[str, Any]:
     # 6. Saturated: the engine on a 2 ms clock, 400 streams: 200,000 tokens/s offered.
     sat_engine = Engine(step_ms=2, response_tokens=64)
     sat = [replace(base, sessions=100 if quick else 400, think=(0.0, 0.0))]
-    run_systems("saturated", ["bare", "gateway", "gateway-nc"], sat_engine, sat, rows, loop)
+    systems = ["bare", "gateway", "gateway-nc", "bare", "gateway"]  # alternating, as above
+    run_systems("saturated", systems, sat_engine, sat, rows, loop)
 
     # 7. Cancel: each turn is cancelled after 1-8 delta frames.
     cancel_engine = Engine(step_ms=20, response_tokens=64)
