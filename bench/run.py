@@ -401,17 +401,18 @@ def standard(quick: bool, loop: str) -> dict[str, Any]:
 
     # 1. Latency against load: closed loop, a random think time so that arrivals
     #    fall at random points of the engine's step (else the step phase decides TTFT).
-    #    The 100-session point (the TTFT target's) runs longer: its p99 then rests on
-    #    some 1,500 turns rather than 600.
     sweep_engine = Engine(step_ms=20, response_tokens=32)
     levels = [10, 100] if quick else [10, 100, 300, 1000]
-    sweep = [
-        replace(base, sessions=c, think=(0.0, 0.04), duration=10.0 if c == 100 else base.duration)
-        for c in levels
-    ]
-    if quick:
-        sweep = [replace(w, duration=base.duration) for w in sweep]
+    sweep = [replace(base, sessions=c, think=(0.0, 0.04)) for c in levels]
     run_systems("sweep", four, sweep_engine, sweep, rows, loop)
+
+    # 1b. The TTFT target at 100 sessions: a p99 over a few seconds moves by more than the
+    #     0.5 ms the target allows from one run to the next (a collection, a burst of other
+    #     work), so engine, bare and gateway take turns, three rounds of fresh processes,
+    #     and the target compares the medians.
+    rounds = 1 if quick else 3
+    ttft = [replace(base, sessions=100, think=(0.0, 0.04), duration=base.duration + 2)]
+    run_systems("ttft", ["engine", "bare", "gateway"] * rounds, sweep_engine, ttft, rows, loop)
 
     # 2. One token per frame: the sim flat out (a step per loop turn), 300-token answers,
     #    no pause between turns; the bare server sends each token as its own frame.
