@@ -108,6 +108,8 @@ def summarise(raw: str, *, top: int = 20, title: str = "") -> str:
         "own time by area (the innermost Python frame's module)", own_area, total, top
     )
     lines += _section("own time by function", own_func, total, top)
+    # What is on every stack (the interpreter's entry, the loop's run) says nothing.
+    incl_func = Counter({name: n for name, n in incl_func.items() if n < 0.995 * total})
     lines += _section("inclusive time by function", incl_func, total, top)
     return "\n".join(lines) + "\n"
 

@@ -606,7 +606,7 @@ def _head_of_views(text: str, per_view: int) -> list[str]:
         if line.startswith("#"):
             out.append(line)
             taken = 0
-        elif line and taken < per_view:
+        elif line and taken < per_view and not line.lstrip().startswith(("100.0 ", "99.9 ")):
             out.append(line)
             taken += 1
     return out
