@@ -10,6 +10,8 @@ STAMP := $(VENV)/.installed
 SDK_VENV := .venv-sdk
 SDK_STAMP := $(SDK_VENV)/.installed
 ARGS ?=
+# The event loops the suite runs on, one whole run each (`make test LOOPS=asyncio`: one).
+LOOPS ?= uvloop asyncio
 PROJECT := '.[test,bench]'
 PIP := $(BIN)/pip --disable-pip-version-check
 INSTALL_LOG := $(VENV)/install.log
@@ -46,10 +48,13 @@ test: $(STAMP) $(SDK_STAMP)
 	$(BIN)/ruff check gateway sessions tests bench examples
 	$(BIN)/ruff format --check gateway sessions tests bench examples
 	$(BIN)/mypy gateway sessions
-	$(BIN)/python -m pytest -q
+	@for loop in $(LOOPS); do \
+		echo "pytest on the $$loop event loop"; \
+		$(BIN)/python -m pytest -q --loop $$loop || exit 1; \
+	done
 
 bench: $(STAMP)
-	$(BIN)/python -m bench.run
+	$(BIN)/python -m bench.run --profile
 
 # examples/notebook.ipynb in JupyterLab, on the project's own environment (its kernel is
 # $(VENV)'s Python). JupyterLab is installed into $(VENV) on first use. Start the gateway

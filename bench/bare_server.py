@@ -11,6 +11,9 @@ sends as fast as it can. What it reaches is the most a Python websockets server
 on this machine can send, and the latency it adds is what the socket layer alone
 costs.
 
+It runs on the event loop the gateway would (``--loop``, the same default), so
+that a comparison is between servers, not loops.
+
 Run: ``python -m bench.bare_server --port 8800 --step-ms 20 --response-tokens 64``
 """
 
@@ -28,6 +31,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from bench.loadgen import raise_nofile
+from gateway.__main__ import LOOPS, default_loop, loop_factory
 from gateway.engines.sim import _MAX_CATCH_UP as MAX_CATCH_UP  # the same catch-up cap
 from gateway.engines.sim import answer_tokens
 
@@ -229,5 +233,8 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, default=8800)
     parser.add_argument("--step-ms", type=float, default=20.0)
     parser.add_argument("--response-tokens", type=int, default=64)
+    parser.add_argument("--loop", choices=LOOPS, default=default_loop())
+    arguments = parser.parse_args()
     raise_nofile()
-    asyncio.run(main(parser.parse_args()))
+    with asyncio.Runner(loop_factory=loop_factory(arguments.loop)) as runner:
+        runner.run(main(arguments))

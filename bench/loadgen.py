@@ -26,7 +26,7 @@ import resource
 import time
 from array import array
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Literal
@@ -442,10 +442,15 @@ class _CpuWindow:
         self.seconds = sum(os.times()[:2]) - t0
 
 
-def _worker_entry(conn: Connection, target: Target, w: Workload, indices: list[int]) -> None:
+def _worker_entry(
+    conn: Connection, target: Target, w: Workload, indices: list[int], loop: str
+) -> None:
+    from gateway.__main__ import loop_factory
+
     raise_nofile()
     try:
-        asyncio.run(_worker(conn, target, w, indices))
+        with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
+            runner.run(_worker(conn, target, w, indices))
     finally:
         conn.close()
 
@@ -467,22 +472,29 @@ def run_load(
     *,
     workers: int,
     server_pid: int | None = None,
+    also_sample: Sequence[int] = (),
     on_ready: Callable[[], dict[str, Any]] | None = None,
     ready_timeout: float = 120.0,
+    loop: str = "asyncio",
 ) -> LoadResult:
     """Run ``w`` against ``target`` from ``workers`` processes; merge what they saw.
 
     ``on_ready`` runs once every session is connected (before "go"); what it returns
-    lands in ``extra``. For an idle workload that is the measurement itself.
+    lands in ``extra``. For an idle workload that is the measurement itself. The
+    workers run on the event loop ``loop`` names (the bare engine baseline runs in
+    them). ``also_sample``: more processes whose CPU over the window goes into
+    ``extra["cpu_s"]`` (an upstream server behind the gateway); the whole machine's
+    busy CPU over the window goes into ``extra["machine_busy_s"]``, so that work
+    that is not the benchmark's shows.
     """
-    from bench.procs import cpu_seconds
+    from bench.procs import cpu_seconds, machine_busy_seconds
 
     ctx = mp.get_context("spawn")
     shares = [list(range(k, w.sessions, workers)) for k in range(workers)]
     pipes, procs = [], []
     for share in shares:
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_worker_entry, args=(child, target, w, share), daemon=True)
+        proc = ctx.Process(target=_worker_entry, args=(child, target, w, share, loop), daemon=True)
         proc.start()
         child.close()
         pipes.append(parent)
@@ -498,11 +510,16 @@ def run_load(
         for p in pipes:
             p.send(("go", go))
         server_cpu = None
-        if server_pid is not None and w.mode != "idle":
+        if w.mode != "idle":
+            sampled = [server_pid, *also_sample] if server_pid is not None else []
             time.sleep(max(0.0, win.start - now()))
-            cpu0 = cpu_seconds(server_pid)
+            cpu0 = [cpu_seconds(pid) for pid in sampled]
+            busy0 = machine_busy_seconds()
             time.sleep(max(0.0, win.end - now()))
-            server_cpu = cpu_seconds(server_pid) - cpu0
+            cpu = [cpu_seconds(pid) - c for pid, c in zip(sampled, cpu0, strict=True)]
+            extra["machine_busy_s"] = machine_busy_seconds() - busy0
+            extra["cpu_s"] = dict(zip(sampled, cpu, strict=True))
+            server_cpu = cpu[0] if cpu else None
         tally = Tally()
         limit = w.warmup + w.duration + w.drain + 30
         for p in pipes:

@@ -26,6 +26,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy so far, all CPUs together
+    (/proc/stat: user, nice, system, irq, softirq and steal; not idle or iowait)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / _TICK
+
+
 def rss_bytes(pid: int) -> int:
     """Resident memory of ``pid`` now (/proc/PID/statm, second field)."""
     return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
@@ -98,31 +106,31 @@ def _wait_ready(proc: subprocess.Popen[bytes], server: Server, timeout: float) -
 
 def gateway_argv(
     *,
-    step_ms: float,
-    max_batch: int,
-    response_tokens: int,
+    loop: str,
+    step_ms: float = 20.0,
+    max_batch: int = 64,
+    response_tokens: int = 64,
     coalesce: bool = True,
+    upstream: str | None = None,
     extra: Sequence[str] = (),
-    profile_to: Path | None = None,
 ) -> list[str]:
-    """``python -m gateway --engine sim ...`` (under cProfile when ``profile_to`` is given)."""
-    prefix = [sys.executable]
-    if profile_to is not None:
-        prefix += ["-m", "cProfile", "-o", str(profile_to)]
+    """``python -m gateway --engine sim ...``, or ``--engine upstream`` in front of
+    ``upstream``."""
+    if upstream is None:
+        engine = ["--engine", "sim", "--sim-step-ms", str(step_ms)]
+        engine += ["--sim-max-batch", str(max_batch), "--sim-response-tokens", str(response_tokens)]
+    else:
+        # The upstream reports its slots (/props); the gateway admits that many at once.
+        engine = ["--engine", "upstream", "--upstream", upstream]
     argv = [
-        *prefix,
+        sys.executable,
         "-m",
         "gateway",
-        "--engine",
-        "sim",
+        *engine,
+        "--loop",
+        loop,
         "--log-level",
         "WARNING",
-        "--sim-step-ms",
-        str(step_ms),
-        "--sim-max-batch",
-        str(max_batch),
-        "--sim-response-tokens",
-        str(response_tokens),
         "--max-queued",
         "100000",
         *extra,
@@ -132,7 +140,7 @@ def gateway_argv(
     return argv
 
 
-def bare_server_argv(*, step_ms: float, response_tokens: int) -> list[str]:
+def bare_server_argv(*, step_ms: float, response_tokens: int, loop: str) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -141,4 +149,18 @@ def bare_server_argv(*, step_ms: float, response_tokens: int) -> list[str]:
         str(step_ms),
         "--response-tokens",
         str(response_tokens),
+        "--loop",
+        loop,
+    ]
+
+
+def sse_server_argv(*, response_tokens: int, loop: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "bench.sse_server",
+        "--response-tokens",
+        str(response_tokens),
+        "--loop",
+        loop,
     ]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import importlib.util
 import logging
+import os
 import re
 import resource
 import signal
@@ -28,6 +30,29 @@ log = logging.getLogger("gateway")
 
 PROG = "llm-gateway"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOOPS = ("asyncio", "uvloop")
+LOOP_ENV_VAR = "LLM_GATEWAY_LOOP"
+"""The default for ``--loop`` where set (the test suite sets it, so that every gateway it
+starts runs on the loop under test)."""
+
+
+def default_loop() -> str:
+    """``$LLM_GATEWAY_LOOP`` if set, else uvloop where it is installed (Linux, macOS)."""
+    chosen = os.environ.get(LOOP_ENV_VAR, "").strip().lower()
+    if chosen:
+        return chosen
+    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+
+
+def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
+    """What makes the event loop ``--loop`` names, whatever event loop policy is set."""
+    if name == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop
+    if sys.platform == "win32":
+        return asyncio.ProactorEventLoop
+    return asyncio.SelectorEventLoop
 
 
 def _number(
@@ -126,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--no-coalesce", action="store_true", help="a frame per delta, no merging (benchmarks)"
+    )
+    server.add_argument(
+        "--loop",
+        type=str.lower,
+        choices=LOOPS,
+        default=default_loop(),
+        metavar="NAME",
+        help="asyncio, uvloop (default: uvloop if installed)",
     )
     # Set by --workers for each process it starts.
     server.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
@@ -323,8 +356,20 @@ async def serve(gateway: Gateway) -> None:
     """Run until SIGTERM/SIGINT, then shut down gracefully."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
         loop.add_signal_handler(sig, stop.set)
+    try:
+        await _serve(gateway, stop)
+    finally:
+        # uvloop, unlike asyncio, leaves its handlers installed when the loop closes:
+        # Ctrl-C would then be swallowed for the rest of the process (main() in a notebook).
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+async def _serve(gateway: Gateway, stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
     began = time.perf_counter()
     try:
         await gateway.start()
@@ -333,7 +378,7 @@ async def serve(gateway: Gateway) -> None:
         raise CannotListen(describe_os_error(exc, cfg.host, cfg.port)) from exc
     # Listening already (/healthz and /readyz answer, the page says "loading"), but not
     # ready: the ready line comes only once the engine has loaded its model.
-    log.info("loading the %s engine…", gateway.engine.name)
+    log.info("loading the %s engine (%s event loop)…", gateway.engine.name, _loop_name(loop))
     ready = loop.create_task(gateway.wait_ready())
     stopping = loop.create_task(stop.wait())
     await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -359,6 +404,10 @@ async def serve(gateway: Gateway) -> None:
     log.info("stopped")
 
 
+def _loop_name(loop: asyncio.AbstractEventLoop) -> str:
+    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+
+
 def run_workers(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Start ``--workers`` copies of this command on one port; forward SIGTERM/SIGINT."""
     port = args.port or _free_port(args.host)
@@ -367,16 +416,14 @@ def run_workers(args: argparse.Namespace, argv: Sequence[str]) -> int:
         index = list(argv).index("--workers")
         base = list(argv[:index]) + list(argv[index + 2 :])
     # The workers' relay sockets (a resume reaching the wrong worker is relayed to the
-    # right one: gateway/relay.py), in a directory only this user can open.
+    # right one: gateway/relay.py), in a directory only this user can open. Each worker
+    # runs on the loop this process chose (the last --loop wins), whatever its own
+    # environment would default to.
     with tempfile.TemporaryDirectory(prefix="llm-gateway-") as worker_dir:
+        command = [sys.executable, "-m", "gateway", *base, "--port", str(port)]
+        command += ["--loop", args.loop, "--worker-dir", worker_dir]
         children = [
-            subprocess.Popen(
-                [
-                    *(sys.executable, "-m", "gateway", *base),
-                    *("--port", str(port), "--worker-index", str(i), "--worker-dir", worker_dir),
-                ]
-            )
-            for i in range(args.workers)
+            subprocess.Popen([*command, "--worker-index", str(i)]) for i in range(args.workers)
         ]
         log.info("started %d workers on port %d", len(children), port)
 
@@ -443,7 +490,12 @@ def raise_open_file_limit() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.loop not in LOOPS:  # a default from the environment: argparse checks only flags
+        parser.error(f"{LOOP_ENV_VAR}={args.loop}: expected asyncio or uvloop")
+    if args.loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
+        parser.error("--loop uvloop: uvloop is not installed (pip install uvloop), use asyncio")
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -471,7 +523,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_workers(args, argv)
     try:
         engine = engines.from_args(args)
-        asyncio.run(serve(Gateway(engine, config)))
+        with asyncio.Runner(loop_factory=loop_factory(args.loop)) as runner:
+            runner.run(serve(Gateway(engine, config)))
     except EngineError as exc:
         print(f"{PROG}: {exc.message}", file=sys.stderr)
         return 2

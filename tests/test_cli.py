@@ -6,6 +6,7 @@ bundled model where the engine is llama.cpp: what a person sees in the terminal.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import re
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.__main__ import build_parser, main
+from gateway.__main__ import LOOP_ENV_VAR, LOOPS, _loop_name, build_parser, main
 
 TIMEOUT = 30.0
 HAS_MODEL = (
@@ -240,3 +241,76 @@ def test_a_model_llama_cpp_cannot_load_is_one_line_with_its_cause(tmp_path: Path
     assert lines[-1].startswith(f"llm-gateway: --model {truncated}: llama.cpp cannot load it: ")
     assert "corrupted or incomplete" in lines[-1]  # llama.cpp's own words for the cause
     assert "GGUF" in lines[-1]  # and the fix
+
+
+# --- the event loop ------------------------------------------------------------------------
+
+
+async def test_the_suite_runs_on_the_loop_it_was_asked_for(selected_loop: str) -> None:
+    assert _loop_name(asyncio.get_running_loop()) == selected_loop
+    # Helpers that run a loop of their own (a client's thread) get the same kind.
+    assert await asyncio.to_thread(lambda: asyncio.run(_running_loop_name())) == selected_loop
+
+
+async def _running_loop_name() -> str:
+    return _loop_name(asyncio.get_running_loop())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_the_loop_flag_chooses_the_event_loop_and_the_workers_follow(loop: str) -> None:
+    # The environment asks for the other loop: the flag wins, in every worker too.
+    other = next(name for name in LOOPS if name != loop)
+    env = {**os.environ, LOOP_ENV_VAR: other}
+    command = [sys.executable, "-m", "gateway", "--engine", "sim", "--port", "0", "--workers", "2"]
+    proc = subprocess.Popen([*command, "--loop", loop], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        lines: list[str] = []
+        for _ in range(2):
+            more, _ = read_until(proc, r"loading the sim engine \((\w+) event loop\)")
+            lines += more
+        assert [m[1] for line in lines if (m := re.search(r"\((\w+) event loop\)", line))] == [
+            loop,
+            loop,
+        ]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(TIMEOUT)
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
+def test_the_environment_sets_the_default_loop_and_a_wrong_one_is_one_line() -> None:
+    parser_default = {**os.environ, LOOP_ENV_VAR: "asyncio"}
+    done = subprocess.run(
+        [sys.executable, "-c", "from gateway.__main__ import build_parser as b;"
+         "print(b().parse_args([]).loop)"],
+        capture_output=True, text=True, env=parser_default, timeout=TIMEOUT, check=True,
+    )  # fmt: skip
+    assert done.stdout.strip() == "asyncio"
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", "--engine", "sim", "--port", "0"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, LOOP_ENV_VAR: "trio"},
+        timeout=TIMEOUT,
+    )
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"llm-gateway: {LOOP_ENV_VAR}=trio: expected asyncio or uvloop (--help lists every flag)"
+    ]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_ctrl_c_works_again_after_main_returns(
+    loop: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # main() in-process (a notebook, a test) must hand SIGINT and SIGTERM back as it found
+    # them: uvloop leaves its own handlers behind unless they are removed before it closes.
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        argv = ["--engine", "sim", "--loop", loop, "--port", str(taken.getsockname()[1])]
+        assert main(argv) == 1
+    assert "already in use" in capsys.readouterr().err
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
