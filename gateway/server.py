@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence, ValuesView
 
 import orjson
 from websockets.asyncio.server import Server, ServerConnection, serve, unix_serve
@@ -30,7 +30,13 @@ from gateway.engines.base import Engine, EngineError
 from gateway.handshake import HandshakeConnection, Pending, PlainRequest
 from gateway.metrics import Metrics
 from gateway.scheduler import Scheduler
-from gateway.wire import CLOSE_TIMEOUT, SocketWire, cap_kernel_send_buffer, close_socket
+from gateway.wire import (
+    CLOSE_TIMEOUT,
+    SocketWire,
+    cap_kernel_send_buffer,
+    close_socket,
+    forget_handshake,
+)
 from sessions.outbox import Outbox, ReplayBudget
 from sessions.session import Session, SessionConfig, SessionLimits
 
@@ -63,8 +69,7 @@ class Gateway:
             generation_timeout=config.generation_timeout,
             merge_deltas=config.coalesce,
         )
-        self.sessions: set[Session] = set()  # connected or detached
-        self._sessions_by_id: dict[str, Session] = {}
+        self._sessions_by_id: dict[str, Session] = {}  # connected or detached
         self._session_tasks: set[asyncio.Task[None]] = set()
         self._detached: set[Session] = set()
         self._ended_traffic = (0, 0, 0)  # frames, delta frames, bytes of ended sessions
@@ -85,6 +90,11 @@ class Gateway:
         # Set when the engine fails for good (Engine._fail); the CLI then stops and exits.
         self.engine_failed = asyncio.Event()
         engine.on_failure = lambda _reason: self.engine_failed.set()
+
+    @property
+    def sessions(self) -> ValuesView[Session]:
+        """Every session: connected, or detached and waiting for a resume."""
+        return self._sessions_by_id.values()
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -381,6 +391,7 @@ class Gateway:
             await close_socket(ws, 1013, "too many sessions")
             return
         cap_kernel_send_buffer(ws)
+        forget_handshake(ws)
         wire = SocketWire(ws)
         self._wires.add(wire)
         session: Session | None = self._open_session()
@@ -442,7 +453,6 @@ class Gateway:
             # worker is relayed there (gateway/relay.py).
             session_id=protocol.new_id(f"sess_{relay.owner_tag(c.node, c.worker)}"),
         )
-        self.sessions.add(session)
         self._sessions_by_id[session.id] = session
         self.metrics.sessions.inc()
         self.metrics.sessions_total.inc()
@@ -457,7 +467,6 @@ class Gateway:
         except Exception:
             log.exception("session %s ended with an error", session.id)
         finally:
-            self.sessions.discard(session)
             del self._sessions_by_id[session.id]
             session.outbox.release()
             stats, (frames, deltas, sent) = session.outbox.stats, self._ended_traffic

@@ -12,7 +12,9 @@ import contextlib
 import socket
 
 from websockets.asyncio.server import ServerConnection
+from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed, InvalidState
+from websockets.http11 import Request
 from websockets.protocol import State
 
 CLOSE_TIMEOUT = 2.0
@@ -115,6 +117,16 @@ def cap_kernel_send_buffer(ws: ServerConnection) -> None:
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, KERNEL_SEND_BUFFER)
+
+
+def forget_handshake(ws: ServerConnection) -> None:
+    """Drop the opening handshake's request and response, which websockets keeps for the
+    handler to read: nothing reads them once the connection is open, and their headers
+    are about 3 KiB of every idle connection. (The request object itself must stay:
+    websockets takes a connection without one for one still in its handshake.)"""
+    if ws.request is not None:
+        ws.request = Request(ws.request.path, Headers())
+    ws.response = None
 
 
 async def close_socket(

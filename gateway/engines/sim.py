@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import random
@@ -90,13 +91,21 @@ TOOL_ANSWER_PREFIX = "The tool returned: "
 
 def count_tokens(messages: Sequence[Message]) -> int:
     """Tokens of the rendered conversation: words and symbols plus per-message markers."""
-    return sum(_MESSAGE_OVERHEAD + len(_TOKEN_RE.findall(_content(m))) for m in messages) + 2
+    return sum(_MESSAGE_OVERHEAD + _text_tokens(_content(m)) for m in messages) + 2
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _text_tokens(text: str) -> int:
+    # Every turn resends the whole conversation: a real engine's prefix cache makes that
+    # cheap, and this cache does the same for the simulation's own counting.
+    return len(_TOKEN_RE.findall(text))
 
 
 def _content(message: Message) -> str:
     """What a message puts in the prompt: its text, and the calls it made."""
-    calls = "".join(f"{c.name}({c.arguments})" for c in message.tool_calls)
-    return message.text + calls
+    if not message.tool_calls:
+        return message.text
+    return message.text + "".join(f"{c.name}({c.arguments})" for c in message.tool_calls)
 
 
 def render(messages: Sequence[Message]) -> str:
