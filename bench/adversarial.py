@@ -482,6 +482,9 @@ async def chaos(count: int, concurrency: int) -> None:
         "32",
         "--max-queued",
         "16",
+        # Dropped sessions wait for a resume this long, then everything must be gone.
+        "--resume-window",
+        "1",
     ]
     with gateway(*flags) as g:
         gate = asyncio.Semaphore(concurrency)
@@ -547,7 +550,8 @@ async def chaos(count: int, concurrency: int) -> None:
 
         started = time.perf_counter()
         await asyncio.gather(*(one(rng.randrange(1 << 30)) for _ in range(count)))
-        await asyncio.sleep(0.5)
+        detached = _metric(g, "gateway_sessions_detached")
+        await asyncio.sleep(1.5)  # past the resume window
         left = g.health()
     report(
         "chaos",
@@ -557,7 +561,8 @@ async def chaos(count: int, concurrency: int) -> None:
         accepted=t.accepted,
         refused_with_error=t.refused,
         violations=len(t.violations),
-        left_after=f"{left['sessions']} sessions, {left['responses']}",
+        detached_for_resume=int(detached),
+        left_after_the_window=f"{left['sessions']} sessions, {left['responses']}",
         seconds=round(time.perf_counter() - started, 1),
     )
     for v in t.violations[:10]:
@@ -580,14 +585,11 @@ async def stuck(clients: int, observe: float) -> None:
             socks.append(sock)
         started = time.monotonic()
         closes: list[float] = []
-        sessions = clients
-        while time.monotonic() - started < observe:
+        while time.monotonic() - started < observe and len(closes) < clients:
             await asyncio.sleep(0.25)
-            now = g.health()["sessions"]
-            closes += [time.monotonic() - started] * max(0, sessions - now)
-            sessions = now
-            if now == 0:
-                break
+            # Closed for not reading (their sessions then wait for a resume, detached).
+            stalled = int(_metric(g, "gateway_stalled_connections_total"))
+            closes += [time.monotonic() - started] * max(0, stalled - len(closes))
         codes: Counter[int | None] = Counter()
         for sock in socks:  # read what reached each client, to its close frame if any
             sock.setblocking(False)
@@ -650,7 +652,9 @@ def _metric(g: Gateway, name: str) -> float:
     """A counter's total over its labels (0 where the gateway has no such counter)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{g.port}/metrics", timeout=5) as r:
         lines = r.read().decode().splitlines()
-    return sum(float(line.split()[-1]) for line in lines if line.startswith(name + "{"))
+    return sum(
+        float(line.split()[-1]) for line in lines if line.startswith((name + "{", name + " "))
+    )
 
 
 # -- shutdown --------------------------------------------------------------------------------
