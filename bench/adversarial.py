@@ -54,7 +54,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from bench.loadgen import raise_nofile
-from bench.procs import free_port, rss_bytes
+from bench.procs import free_port, rss_bytes, stop
 
 MIB = 1 << 20
 SIM = ["--engine", "sim", "--log-level", "WARNING"]
@@ -105,13 +105,7 @@ def gateway(*flags: str) -> Iterator[Gateway]:
                 time.sleep(0.05)
         yield g
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
         assert proc.stderr is not None
         errors = proc.stderr.read().decode(errors="replace")
         proc.stderr.close()

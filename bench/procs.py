@@ -80,14 +80,19 @@ def server_process(argv: Sequence[str], *, timeout: float = 30.0) -> Iterator[Se
         _wait_ready(proc, server, timeout)
         yield server
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
         log.unlink(missing_ok=True)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (a graceful shutdown), then SIGKILL if it takes over 20 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], server: Server, timeout: float) -> None:
