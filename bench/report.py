@@ -375,8 +375,9 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"The sim engine flat out (`--sim-step-ms 0`: a step per loop turn), "
         f"{fmt(fr.get('sessions'))} sessions x {fmt(fr.get('response_tokens'))}-token answers, "
-        "no pause between turns; the gateway coalesces as by default (it merges only when a "
-        "socket pushes back, so tokens/frame stays near 1). The bare server sends each token "
+        "no pause between turns; the gateway coalesces as by default (it merges when a socket "
+        "pushes back or when it falls behind the engine; a step per loop turn gives each batch "
+        "one token per stream, so tokens/frame stays near 1). The bare server sends each token "
         "as its own frame as fast as its loop turns. *vs bare* divides by the bare "
         f"server's delta frames/s on {loop}. The upstream row is the same load through "
         "`--engine upstream` in front of bench/sse_server.py (one token per SSE chunk, all "
