@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-sessions",
         type=count,
         metavar="N",
-        help="connections at once (default: no limit)",
+        help="sessions, detached too (default: no limit)",
     )
     limits.add_argument(
         "--max-message-bytes",

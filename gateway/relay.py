@@ -74,7 +74,11 @@ async def open_leg(
     path = socket_path(worker_dir, worker)
     try:
         async with asyncio.timeout(CONNECT_TIMEOUT):
-            leg = await unix_connect(str(path), uri="ws://worker/v1/realtime", compression=None)
+            # No size limit inside: the owner's frames were not limited either (a long
+            # answer's response.done can be bigger than what a client may send).
+            leg = await unix_connect(
+                str(path), uri="ws://worker/v1/realtime", compression=None, max_size=None
+            )
             await leg.send(_resume_frame(event))
             answer: protocol.JSON = orjson.loads(await leg.recv())
     except (OSError, TimeoutError, InvalidHandshake, ConnectionClosed, orjson.JSONDecodeError):

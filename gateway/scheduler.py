@@ -232,7 +232,11 @@ class Scheduler:
         self.metrics.queue_wait.observe(job.started_at - job.submitted_at)
         self._running[job.request_id] = job
         self._running_by_session[job.session_key] += 1
-        self.engine.submit(job.request)
+        try:
+            self.engine.submit(job.request)
+        except Exception as exc:  # an engine bug: this job fails, the gateway goes on
+            log.exception("scheduler: the engine refused %s", job.request_id)
+            self._end(job, self._partial(job, "failed", EngineError("engine_error", repr(exc))))
 
     def _start_tasks(self) -> None:
         loop = asyncio.get_running_loop()
@@ -276,7 +280,13 @@ class Scheduler:
             else:
                 if merged is not None and (earlier := merged.pop(job, None)):
                     self._deliver(job, "".join(earlier), now)  # what came before it, first
-                self._other(job, output, now)
+                    if job.state == "done":  # its delivery failed
+                        continue
+                try:
+                    self._other(job, output, now)
+                except Exception as exc:  # a bug costs its job, not the batch's other jobs
+                    if job.state != "done":
+                        self._sink_failed(job, exc)
                 continue
             if merged is None:
                 self._deliver(job, text, now)
@@ -294,8 +304,18 @@ class Scheduler:
         else:
             self.metrics.ttft.observe(now - job.submitted_at)
         job.last_token_at = now
-        job.parts.append(text)
-        job.sink.on_delta(job, text)
+        try:
+            job.sink.on_delta(job, text)
+        except Exception as exc:  # a bug costs its job, not the batch's other jobs
+            self._sink_failed(job, exc)
+            return
+        job.parts.append(text)  # after it went out: the final text is what was sent
+
+    def _sink_failed(self, job: Job, exc: Exception) -> None:
+        log.exception("scheduler: delivering %s failed", job.request_id, exc_info=exc)
+        self._draining[job.request_id] = time.perf_counter()
+        self.engine.abort(job.request_id)
+        self._end(job, self._partial(job, "failed", EngineError("internal_error", repr(exc))))
 
     def _other(self, job: Job, output: Output, now: float) -> None:
         """Everything but text: tool-call deltas, prompt counts, the end."""

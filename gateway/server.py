@@ -304,7 +304,7 @@ class Gateway:
                 {"WWW-Authenticate": "Bearer"},
             )
         limit = self.config.max_sessions
-        if limit is not None and len(self._wires) >= limit:
+        if limit is not None and len(self._wires) + len(self._detached) >= limit:
             return http.text_response(503, f"Too many sessions (limit {limit}); retry later.")
         if not self.engine.ready:
             return http.text_response(
@@ -385,7 +385,7 @@ class Gateway:
             await close_socket(ws, 1001, "server shutting down")
             return
         limit = self.config.max_sessions
-        if limit is not None and len(self._wires) >= limit:
+        if limit is not None and len(self._wires) + len(self._detached) >= limit:
             # Handshakes that raced past the HTTP check: refuse at the WebSocket level.
             self.metrics.connections_refused.labels(status="1013").inc()
             await close_socket(ws, 1013, "too many sessions")
@@ -483,7 +483,9 @@ class Gateway:
         ends its session at once; one that vanished without a close frame (a network
         drop, a proxy recycling its sockets) leaves the session detached for
         ``--resume-window`` seconds, for ``session.resume`` on a new connection."""
-        if session.outbox.wire is wire:
+        current = session.outbox.wire
+        # None: this socket was the session's (the outbox let go of it, e.g. overflow).
+        if current is wire or current is None:
             session.outbox.detach(wire)
             keep = (
                 self.config.resume_window > 0
@@ -571,13 +573,20 @@ class Gateway:
             if opened is not None and opened[1].get("type") == "session.resumed":
                 leg, answer = opened
                 self._discard_fresh(fresh, wire)
-                wire.write(protocol.encode(answer))
+                await wire.write_later(protocol.encode(answer))
                 await relay.pipe(ws, wire, leg)
+                # The owner's close code (1001, 4001...) must reach the client before
+                # this handler returns and websockets closes with 1000 on its own.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(CLOSE_TIMEOUT + 0.5):
+                        await wire.closed()
                 return None
             if opened is not None:
                 await opened[0].close()
             code = opened[1].get("error", {}).get("code") if opened is not None else None
             return await self._refuse_resume(event, fresh, code or "session_not_found")
+        if event.session_id == fresh.id:  # the session this connection already has
+            return await self._refuse_resume(event, fresh, "session_not_found")
         target = self._take_over(event, wire)
         if isinstance(target, str):
             return await self._refuse_resume(event, fresh, target)

@@ -115,6 +115,7 @@ class Outbox:
         # cleared when its head reaches the end, so "not self._pending" means empty.
         self._pending: list[_Entry] = []
         self._head = 0
+        self._replayed = 0  # _Numbered entries pending: not counted against max_pending
         # Deltas still mergeable, by response. Cleared by any other event, so each
         # response's events keep their order on the wire.
         self._open: dict[str, _PendingDelta] = {}
@@ -142,7 +143,7 @@ class Outbox:
         self.stats = OutboxStats()
 
     def __len__(self) -> int:
-        return len(self._pending) - self._head
+        return len(self._pending) - self._head - self._replayed
 
     @property
     def pending_bytes(self) -> int:
@@ -213,7 +214,18 @@ class Outbox:
         self._pending_limit = self._max_bytes
         if old is not None:
             old.close(4001, "the session was resumed on another connection")
-        self._pending[self._head : self._head] = [_Numbered(frame) for frame in first]
+        if self._writer is not None:
+            # Busy with a frame for a socket that is gone or going: that frame is
+            # numbered and in the replay buffer already. Waiting for it would hold this
+            # socket until the old one's close times out.
+            self._writer.cancel()
+            self._writer = None
+        # Frames numbered already but never sent (a replay for an earlier socket, its
+        # session.resumed) are not this socket's: the replay it asked for is ``first``.
+        unsent = [e for e in self._pending[self._head :] if not isinstance(e, _Numbered)]
+        self._pending = [*(_Numbered(frame) for frame in first), *unsent]
+        self._head = 0
+        self._replayed = len(first)
         self._kick()
 
     def detach(self, wire: Wire) -> None:
@@ -235,15 +247,13 @@ class Outbox:
         return self._replay[self._replay_head + last_sequence_number + 1 - first_kept :]
 
     def release(self) -> None:
-        """The session ended: give the replay buffer's bytes back to the shared budget."""
+        """The session ended: give the replay buffer's bytes back to the shared budget.
+        What is pending stays for the writer to send (a slow reader's last
+        ``response.done`` and the close frame), up to the close request."""
         self._budget.used -= self._replay_bytes
         self._replay.clear()
         self._replay_head = 0
         self._replay_bytes = 0
-        self._pending.clear()
-        self._head = 0
-        self._open.clear()
-        self._bytes = 0
 
     # -- internals -------------------------------------------------------------------
 
@@ -281,7 +291,8 @@ class Outbox:
                 await wire.write_later(self._number(entry))
                 self._flush()
         finally:
-            self._writer = None
+            if self._writer is asyncio.current_task():  # not a successor attach() started
+                self._writer = None
 
     def _take(self) -> _Entry:
         pending, head = self._pending, self._head
@@ -294,6 +305,8 @@ class Outbox:
             self._head = 0
         if isinstance(entry, bytes):
             self._bytes -= len(entry)
+        elif isinstance(entry, _Numbered):
+            self._replayed = max(0, self._replayed - 1)
         elif isinstance(entry, _PendingDelta):
             # Taking a delta ends its mergeability: later text goes into a new frame.
             if self._open.get(entry.response_id) is entry:
@@ -308,6 +321,7 @@ class Outbox:
         if isinstance(entry, CloseRequest):
             self._pending.clear()
             self._head = 0
+            self._replayed = 0
             self._wire = None
             wire.close(entry.code, entry.reason)
             return
@@ -384,16 +398,18 @@ class Outbox:
             self._replay_head = 0
 
     def _check_limits(self) -> None:
-        if len(self._pending) - self._head > self._max_pending or self._bytes > self._pending_limit:
+        if len(self) > self._max_pending or self._bytes > self._pending_limit:
             self._overflow()
 
     def _overflow(self) -> None:
         """Too much is pending (the client does not read, or is gone): drop it all."""
         self._pending.clear()
         self._head = 0
+        self._replayed = 0
         self._open.clear()
         self._bytes = 0
         self.lost = True
+        self.release()  # no resume can be seamless now: the replay buffer is useless
         self._closed = True
         wire, self._wire = self._wire, None
         if wire is not None:

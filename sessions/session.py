@@ -521,8 +521,9 @@ class Session:
             )
             self._put_rate_limits()
             return
-        # The job may already be "running", but its task gets its first step only
-        # after this handler returns, so these events precede every delta.
+        # The job may already be "running", but the engine's output reaches the session
+        # only through the scheduler's fan-out task, after this handler returns: these
+        # events precede every delta.
         self._responses[response.job] = response
         if not params.out_of_band:
             self._in_conversation = response

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import socket
 import threading
@@ -18,7 +19,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from gateway.engines.sim import SimEngine
-from tests.harness import RawClient, RunningGateway, running_gateway
+from tests.harness import TIMEOUT, RawClient, RunningGateway, running_gateway
 
 
 async def test_health_and_routes(gw: RunningGateway) -> None:
@@ -419,3 +420,35 @@ async def test_a_stalled_generation_fails_after_the_generation_timeout() -> None
         await gw.wait_idle()  # aborted in the engine, the slot is free
         assert engine.active == 0
         assert gw.gateway.metrics.generation_timeouts.value == 1
+
+
+async def test_a_slow_reader_still_gets_its_response_done_and_1001_at_shutdown() -> None:
+    """Found in review: the ended session's pending events (its response.done, then the
+    close) were dropped when the session let go of its outbox."""
+    engine = SimEngine(step_ms=1, response_tokens=100_000)
+    gw_cm = running_gateway(engine)
+    gw = await gw_cm.__aenter__()
+    try:
+        sock = _small_buffer_socket(gw.gateway.port)
+        ws = await connect(gw.ws_url, sock=sock, max_queue=4)
+        await ws.recv()
+        await ws.send(json.dumps({"type": "response.create"}))
+        ws.transport.pause_reading()  # a reader that is behind...
+        async with asyncio.timeout(TIMEOUT):  # ...until the gateway's side pushes back
+            while not any(len(s.outbox) for s in gw.gateway.sessions):
+                await asyncio.sleep(0.01)
+        stopping = asyncio.create_task(gw.gateway.stop())
+        await asyncio.sleep(0.3)
+        ws.transport.resume_reading()  # it catches up during the shutdown's grace
+        done = None
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                event = json.loads(await ws.recv())
+                if event["type"] == "response.done":
+                    done = event
+        assert done is not None
+        assert done["response"]["status_details"]["gateway_reason"] == "server_shutdown"
+        assert ws.close_code == 1001
+        await stopping
+    finally:
+        await gw_cm.__aexit__(None, None, None)

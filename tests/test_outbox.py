@@ -162,3 +162,47 @@ async def test_attaching_a_second_socket_closes_the_first_with_4001() -> None:
     assert first.closed is not None and first.closed.code == 4001
     outbox.put({"type": "x"})
     assert len(second.drain()) == 1 and first.drain()[-1] == first.closed
+
+
+async def test_a_second_resume_sends_nothing_twice() -> None:
+    """Found in review: a replay still pending for a socket that dropped was sent again,
+    beside the next resume's own replay, repeating sequence numbers."""
+    outbox, first = Outbox(), MemoryWire()
+    outbox.attach(first)
+    for n in range(5):
+        outbox.put({"type": "x", "n": n})  # numbered 1..5
+    outbox.detach(first)
+    blocked = MemoryWire(room=False)  # the first resume's socket pushes back...
+    outbox.attach(blocked, outbox.replay_after(2) or [])
+    await settle(blocked)
+    outbox.detach(blocked)  # ...and drops before it sent anything
+    last = MemoryWire()
+    outbox.attach(last, outbox.replay_after(2) or [])
+    events = await settle(last)
+    assert [e["sequence_number"] for e in events if isinstance(e, dict)] == [3, 4, 5]
+
+
+async def test_a_resume_does_not_wait_for_a_writer_stuck_on_the_old_socket() -> None:
+    outbox, old = Outbox(), MemoryWire(room=False)
+    outbox.put({"type": "session.created"})  # 1
+    outbox.attach(old)
+    for n in range(3):
+        outbox.put({"type": "x", "n": n})  # pending: the old socket has no room
+    await settle(old)  # its writer took 1 and waits on the old socket
+    new = MemoryWire()
+    outbox.attach(new, outbox.replay_after(1) or [])  # the client saw only 1
+    events = await settle(new)  # at once, not after the old socket's close times out
+    assert [e["sequence_number"] for e in events if isinstance(e, dict)] == [2, 3, 4]
+    assert old.closed is not None and old.closed.code == 4001
+
+
+async def test_replayed_frames_do_not_count_against_the_pending_cap() -> None:
+    outbox, first = Outbox(max_pending=10), MemoryWire()
+    outbox.attach(first)
+    for n in range(40):
+        outbox.put({"type": "x", "n": n})
+    outbox.detach(first)
+    blocked = MemoryWire(room=False)
+    outbox.attach(blocked, outbox.replay_after(5) or [])  # 35 frames to send again
+    outbox.put({"type": "y"})
+    assert not outbox.lost and len(outbox) == 1

@@ -8,6 +8,7 @@ import contextlib
 import json
 import random
 import re
+import socket
 from typing import Any
 
 import pytest
@@ -378,3 +379,44 @@ async def test_a_resume_cut_before_session_resumed_arrives_can_be_retried() -> N
         stale = await client.resume(token=held[1])
         assert stale["type"] == "error" and stale["error"]["code"] == "session_not_found"
         await client.close()
+
+
+async def test_resuming_the_session_the_connection_already_has_is_refused() -> None:
+    async with running_gateway(SimEngine(step_ms=2, response_tokens=8)) as gw:
+        client = Resumable(gw.ws_url)
+        await client.open()
+        await client.send(
+            {
+                "type": "session.resume",
+                "session_id": client.session_id,
+                "resume_token": client.token,
+                "last_sequence_number": client.last,
+            }
+        )
+        answer = await client.recv()
+        assert answer["type"] == "error" and answer["error"]["code"] == "session_not_found"
+        await client.send({"type": "response.create"})  # the session is unharmed
+        assert (await client.until("response.done"))["response"]["status"] == "completed"
+        await client.close()
+
+
+async def test_a_session_whose_outbox_overflowed_still_ends() -> None:
+    """Found in review: the outbox let go of the socket on overflow, the connection's end
+    then looked like a resume elsewhere, and the session lived on for good."""
+    async with running_gateway(SimEngine(step_ms=2, response_tokens=8), resume_window=0.3) as gw:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", gw.gateway.port))
+        ws = await connect(gw.ws_url, sock=sock, max_queue=1)
+        ws.transport.pause_reading()  # reads nothing from now on
+        bad = json.dumps({"type": "nonsense.event", "padding": "x" * 4000})
+        with contextlib.suppress(ConnectionClosed):
+            for _ in range(6000):  # an error event each, far past what the outbox holds
+                await ws.send(bad)
+        async with asyncio.timeout(TIMEOUT):
+            while gw.gateway.scheduler is not None and not any(
+                s.outbox.lost for s in gw.gateway.sessions
+            ):
+                await asyncio.sleep(0.01)
+        ws.transport.abort()
+        await gw.wait_idle()  # lost, dropped, and ended once its resume window is over

@@ -161,3 +161,23 @@ async def test_a_scheduler_that_fell_behind_merges_each_jobs_tokens_of_a_batch(
             assert len(deltas) < 40  # the steps that piled up went out as one delta each
         else:
             assert len(deltas) == 40  # a delta per token, as --no-coalesce promises
+
+
+async def test_a_streaming_engine_cancelled_before_its_first_step_still_confirms() -> None:
+    """Found in review: a per-request stream task cancelled before it ever ran never
+    reported its end, so the scheduler waited for the engine forever."""
+    from tests.scripted_engine import ScriptedEngine, text_then_two_calls
+
+    engine = ScriptedEngine(text_then_two_calls())
+    await engine.start()
+    scheduler, sink = Scheduler(engine, max_running=4, max_queued=4), Recorder()
+    try:
+        for i in range(5):
+            j = job(f"c{i}", "s", sink)
+            scheduler.submit(j)
+            scheduler.cancel(j, "client_cancelled")  # before the stream's task ran at all
+        await until(lambda: scheduler.draining == 0)
+        assert not engine._streams and len(sink.outcomes) == 5
+    finally:
+        await scheduler.close()
+        await engine.close()

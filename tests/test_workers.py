@@ -207,3 +207,33 @@ async def test_the_python_client_resumes_through_whichever_worker_it_reaches(
             cutter.cancel()
         assert chat.session_id == session_id  # one conversation throughout
     assert len(cuts) >= 3
+
+
+async def test_a_relayed_socket_taken_over_gets_4001(
+    gateway_workers: tuple[subprocess.Popen[bytes], int],
+) -> None:
+    """Found in review: the relaying worker closed the client with 1000, not the owner's
+    code, when the handler returned before that close went out."""
+    process, port = gateway_workers
+    base = f"127.0.0.1:{port}"
+    wait_until_serving(process, base)
+    url = f"ws://{base}/v1/realtime"
+    first = Resumable(url)
+    await first.open()
+    owner = relay.owner_of(first.session_id)
+    while True:  # resume until this socket is one a non-owner worker relays
+        first.drop()
+        assert (await first.resume())["type"] == "session.resumed"
+        if relay.owner_of(first.fresh_session_id) != owner:
+            break
+    relayed = first.ws
+    assert relayed is not None
+    second = Resumable(url)
+    second.session_id, second.token, second.last = first.session_id, first.token, first.last
+    second.events = first.events
+    assert (await second.resume())["type"] == "session.resumed"
+    with pytest.raises(ConnectionClosed) as closed:
+        while True:
+            await relayed.recv()
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 4001
+    await second.close()

@@ -375,9 +375,17 @@ class StreamingEngine(Engine):
 
     def submit(self, request: GenerationRequest) -> None:
         rid = request.request_id
-        self._streams[rid] = asyncio.get_running_loop().create_task(
+        task = asyncio.get_running_loop().create_task(
             self._pump(request), name=f"{self.name}-{rid}"
         )
+        self._streams[rid] = task
+        task.add_done_callback(lambda _: self._never_ran(rid))
+
+    def _never_ran(self, request_id: str) -> None:
+        # abort() before the task's first step: its coroutine never started, so neither
+        # did _pump's cleanup. The terminal output is still owed.
+        if self._streams.pop(request_id, None) is not None:
+            self.outputs.put(request_id, Finished("cancelled", Usage(0, 0)))
 
     def abort(self, request_id: str) -> None:
         task = self._streams.get(request_id)

@@ -539,7 +539,7 @@ class LlamaCppEngine(Engine):
 
         terminal: Output
         try:
-            messages = self._fit(generation.request)
+            messages = self._fit(generation)
             generation.stopped = generation.cancelled.is_set()
             if not generation.stopped:
                 self._server.handle_chat_completions(self._body(generation, messages), callback)
@@ -566,15 +566,22 @@ class LlamaCppEngine(Engine):
         except RuntimeError:  # the loop closed: nobody listens, but the slot is free
             self._let_go(generation)
 
-    def _fit(self, request: GenerationRequest) -> tuple[Message, ...]:
-        """Drop the oldest turns until the prompt plus the answer budget fits one slot."""
+    def _fit(self, generation: _Generation) -> tuple[Message, ...]:
+        """Drop the oldest turns until the prompt plus the answer budget fits one slot.
+        Stops at once (returning what it has) when the generation is cancelled: a long
+        conversation costs a tokenization per turn dropped."""
         assert self._api is not None
+        request = generation.request
         budget = request.sampling.max_output_tokens or self.ctx // DEFAULT_ANSWER_SHARE
         limit = self.ctx - min(budget, self.ctx // 2)
         api, tools = self._api, tools_body(request)
-        messages, dropped = fit_to_context(
-            request.messages, lambda kept: api.count_tokens(kept, tools), limit
-        )
+
+        def count(kept: Sequence[Message]) -> int:
+            if generation.cancelled.is_set():
+                return 0  # "fits": the caller sees the cancel and generates nothing
+            return api.count_tokens(kept, tools)
+
+        messages, dropped = fit_to_context(request.messages, count, limit)
         if dropped:
             log.info(
                 "llamacpp: request %s: dropped the %d oldest turns to fit %d of %d tokens",
