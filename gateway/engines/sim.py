@@ -213,7 +213,6 @@ class SimEngine(Engine):
         self._loop_task: asyncio.Task[None] | None = None
         self.steps = 0
         self.tokens_generated = 0
-        self.tokens_after_abort = 0  # must stay 0: aborted streams leave at the next step
 
     @property
     def capacity(self) -> int:
