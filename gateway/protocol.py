@@ -208,7 +208,7 @@ ClientEvent: TypeAlias = (
 # the typed value or raises ProtocolError naming the param.
 
 
-class _Reader:
+class Reader:
     """Validates one JSON object's fields, remembering the event_id for errors."""
 
     def __init__(self, obj: Mapping[str, Any], path: str, event_id: str | None) -> None:
@@ -312,16 +312,16 @@ class _Reader:
                 "unsupported_modality",
             )
 
-    def child(self, key: str) -> _Reader:
+    def child(self, key: str) -> Reader:
         value = self.obj[key]
         if not isinstance(value, dict):
             raise self.fail(key, f"'{self.param(key)}' must be an object.", "invalid_type")
-        return _Reader(value, self.param(key), self.event_id)
+        return Reader(value, self.param(key), self.event_id)
 
-    def child_at(self, key: str, index: int, value: Any) -> _Reader:
+    def child_at(self, key: str, index: int, value: Any) -> Reader:
         if not isinstance(value, dict):
             raise self.fail(f"{key}[{index}]", "Each item must be an object.", "invalid_type")
-        return _Reader(value, f"{self.param(key)}[{index}]", self.event_id)
+        return Reader(value, f"{self.param(key)}[{index}]", self.event_id)
 
 
 _SAMPLING = frozenset({"temperature", "top_p", "seed", "stop"})
@@ -355,7 +355,7 @@ _SESSION_FIELDS = frozenset(
 )
 
 
-def _sampling(r: _Reader) -> dict[str, Any]:
+def _sampling(r: Reader) -> dict[str, Any]:
     """The fields shared by ``session`` and ``response``: sampling, instructions, tools."""
     out: dict[str, Any] = {}
     if r.has("temperature"):
@@ -374,9 +374,9 @@ def _sampling(r: _Reader) -> dict[str, Any]:
     if r.has("output_modalities"):
         r.modalities("output_modalities")
     if r.has("tools"):
-        out["tools"] = _tools(r)
+        out["tools"] = read_tools(r)
     if r.has("tool_choice"):
-        out["tool_choice"] = _tool_choice(r)
+        out["tool_choice"] = read_tool_choice(r)
     if r.has("parallel_tool_calls") and not isinstance(r.obj["parallel_tool_calls"], bool | None):
         raise r.fail(
             "parallel_tool_calls",
@@ -386,7 +386,7 @@ def _sampling(r: _Reader) -> dict[str, Any]:
     return out
 
 
-def _audio_settings(r: _Reader) -> None:
+def _audio_settings(r: Reader) -> None:
     """Accept the audio settings (text output: nothing to configure) if they are well formed."""
     value = r.obj.get("audio")
     if value is not None and not isinstance(value, dict):
@@ -396,7 +396,7 @@ def _audio_settings(r: _Reader) -> None:
 _TOOL_FIELDS = frozenset({"type", "name", "description", "parameters"})
 
 
-def _tools(r: _Reader) -> tuple[Tool, ...]:
+def read_tools(r: Reader) -> tuple[Tool, ...]:
     """Function tools: ``[{type: "function", name, description?, parameters?}]``."""
     value = r.obj["tools"]
     if value is None:
@@ -438,7 +438,7 @@ def _tools(r: _Reader) -> tuple[Tool, ...]:
     return tuple(tools)
 
 
-def _tool_choice(r: _Reader) -> ToolChoice:
+def read_tool_choice(r: Reader) -> ToolChoice:
     """``auto``, ``none``, ``required``, or ``{type: "function", name}`` (the name, returned)."""
     value = r.obj["tool_choice"]
     if value is None:
@@ -465,8 +465,8 @@ def _tool_choice(r: _Reader) -> ToolChoice:
     return name
 
 
-def _session_update(r: _Reader) -> SessionUpdate:
-    s = r.child("session") if r.has("session") else _Reader({}, "session", r.event_id)
+def _session_update(r: Reader) -> SessionUpdate:
+    s = r.child("session") if r.has("session") else Reader({}, "session", r.event_id)
     s.only(_SESSION_FIELDS)
     if s.has("type") and s.obj["type"] != "realtime":
         raise s.fail("type", "Only session type 'realtime' is supported.")
@@ -484,7 +484,7 @@ _CALL_FIELDS = frozenset({"id", "type", "object", "status", "call_id", "name", "
 _OUTPUT_FIELDS = frozenset({"id", "type", "object", "status", "call_id", "output"})
 
 
-def _item(r: _Reader) -> AnyItemSpec:
+def _item(r: Reader) -> AnyItemSpec:
     item_type = r.required("type")
     if item_type == "function_call":
         return _function_call(r)
@@ -501,7 +501,7 @@ def _item(r: _Reader) -> AnyItemSpec:
         raise r.fail("content", "'content' must be a non-empty list of parts.", "invalid_type")
     texts = []
     for index, part in enumerate(content):
-        p = _Reader(part, f"{r.param('content')}[{index}]", r.event_id)
+        p = Reader(part, f"{r.param('content')}[{index}]", r.event_id)
         if not isinstance(part, dict):
             raise r.fail(
                 f"content[{index}]", "Each content part must be an object.", "invalid_type"
@@ -516,7 +516,7 @@ def _item(r: _Reader) -> AnyItemSpec:
     return ItemSpec(r.optional_string("id", max_chars=MAX_ID_CHARS), role, "".join(texts))
 
 
-def _call_id(r: _Reader) -> str:
+def _call_id(r: Reader) -> str:
     r.required("call_id")
     call_id = r.string("call_id", max_chars=MAX_ID_CHARS)
     if not call_id:
@@ -524,7 +524,7 @@ def _call_id(r: _Reader) -> str:
     return call_id
 
 
-def _function_call(r: _Reader) -> FunctionCallSpec:
+def _function_call(r: Reader) -> FunctionCallSpec:
     r.only(_CALL_FIELDS)
     call_id = _call_id(r)
     r.required("name")
@@ -538,7 +538,7 @@ def _function_call(r: _Reader) -> FunctionCallSpec:
     )
 
 
-def _function_call_output(r: _Reader) -> FunctionCallOutputSpec:
+def _function_call_output(r: Reader) -> FunctionCallOutputSpec:
     r.only(_OUTPUT_FIELDS)
     call_id = _call_id(r)
     r.required("output")
@@ -546,20 +546,20 @@ def _function_call_output(r: _Reader) -> FunctionCallOutputSpec:
     return FunctionCallOutputSpec(r.optional_string("id", max_chars=MAX_ID_CHARS), call_id, output)
 
 
-def _item_create(r: _Reader) -> ItemCreate:
+def _item_create(r: Reader) -> ItemCreate:
     r.only(frozenset({"type", "event_id", "item", "previous_item_id"}))
     r.required("item")
     previous = r.optional_string("previous_item_id", max_chars=MAX_ID_CHARS)
     return ItemCreate(r.event_id, _item(r.child("item")), previous)
 
 
-def _item_id_event(r: _Reader) -> str:
+def _item_id_event(r: Reader) -> str:
     r.only(frozenset({"type", "event_id", "item_id"}))
     r.required("item_id")
     return r.string("item_id", max_chars=MAX_ID_CHARS)
 
 
-def _item_truncate(r: _Reader) -> ClientEvent:
+def _item_truncate(r: Reader) -> ClientEvent:
     raise ProtocolError(
         "unsupported_modality",
         "conversation.item.truncate cuts the audio of an item; this gateway speaks text only, "
@@ -577,7 +577,7 @@ _RESPONSE_FIELDS = frozenset(
 )
 
 
-def _metadata(r: _Reader) -> dict[str, str] | None:
+def read_metadata(r: Reader) -> dict[str, str] | None:
     value = r.obj["metadata"]
     if value is None:
         return None
@@ -594,7 +594,7 @@ def _metadata(r: _Reader) -> dict[str, str] | None:
     return dict(value)
 
 
-def _response_create(r: _Reader) -> ResponseCreate:
+def _response_create(r: Reader) -> ResponseCreate:
     r.only(frozenset({"type", "event_id", "response"}))
     if not r.has("response") or r.obj["response"] is None:
         return ResponseCreate(r.event_id)
@@ -602,7 +602,7 @@ def _response_create(r: _Reader) -> ResponseCreate:
     p.only(_RESPONSE_FIELDS)
     _audio_settings(p)
     fields = _sampling(p)
-    metadata = _metadata(p) if p.has("metadata") else None
+    metadata = read_metadata(p) if p.has("metadata") else None
     out_of_band = False
     if p.has("conversation"):
         if p.obj["conversation"] not in ("auto", "none"):
@@ -620,12 +620,12 @@ def _response_create(r: _Reader) -> ResponseCreate:
     )
 
 
-def _response_cancel(r: _Reader) -> ResponseCancel:
+def _response_cancel(r: Reader) -> ResponseCancel:
     r.only(frozenset({"type", "event_id", "response_id"}))
     return ResponseCancel(r.event_id, r.optional_string("response_id", max_chars=MAX_ID_CHARS))
 
 
-def _session_resume(r: _Reader) -> SessionResume:
+def _session_resume(r: Reader) -> SessionResume:
     r.only(frozenset({"type", "event_id", "session_id", "resume_token", "last_sequence_number"}))
     r.required("session_id")
     r.required("resume_token")
@@ -641,7 +641,7 @@ def _session_resume(r: _Reader) -> SessionResume:
     )
 
 
-_DECODERS: dict[str, Callable[[_Reader], ClientEvent]] = {
+_DECODERS: dict[str, Callable[[Reader], ClientEvent]] = {
     "session.update": _session_update,
     "session.resume": _session_resume,
     "conversation.item.create": _item_create,
@@ -654,8 +654,9 @@ _DECODERS: dict[str, Callable[[_Reader], ClientEvent]] = {
 _AUDIO_EVENTS = ("input_audio_buffer.", "output_audio_buffer.")
 
 
-def decode(frame: str | bytes) -> ClientEvent:
-    """Parse and validate one client frame. Raises :class:`ProtocolError`."""
+def read_frame(frame: str | bytes) -> tuple[dict[str, Any], str | None, str]:
+    """A client frame's JSON object, its ``event_id`` and its ``type`` (any dialect).
+    Raises :class:`ProtocolError`."""
     if isinstance(frame, bytes):
         raise ProtocolError(
             "binary_frame_not_supported", "Send client events as JSON in text frames, not binary."
@@ -686,6 +687,12 @@ def decode(frame: str | bytes) -> ClientEvent:
         raise ProtocolError(
             "invalid_type", "'type' must be a string.", param="type", event_id=event_id
         )
+    return obj, event_id, event_type
+
+
+def decode(frame: str | bytes) -> ClientEvent:
+    """Parse and validate one client frame. Raises :class:`ProtocolError`."""
+    obj, event_id, event_type = read_frame(frame)
     decoder = _DECODERS.get(event_type)
     if decoder is None:
         if event_type.startswith(_AUDIO_EVENTS):
@@ -701,7 +708,7 @@ def decode(frame: str | bytes) -> ClientEvent:
             param="type",
             event_id=event_id,
         )
-    reader = _Reader(obj, "", event_id)
+    reader = Reader(obj, "", event_id)
     if event_type == "session.update":
         reader.only(frozenset({"type", "event_id", "session"}))
     try:

@@ -1,7 +1,7 @@
 """The network edge: one port for the Realtime WebSocket and a few HTTP routes.
 
 Per connection two tasks run: this module's reader (frames -> decoded events
--> the session's inbox) and the session actor (sessions/session.py), which may
+-> the session's inbox) and the session actor (sessions/core.py, with its dialect), which may
 outlive the connection (a dropped one waits for ``session.resume``). The
 session's outbox (sessions/outbox.py) is the one path to the socket: it writes
 through a :class:`~gateway.wire.SocketWire`, straight from the caller's stack
@@ -37,8 +37,9 @@ from gateway.wire import (
     close_socket,
     forget_handshake,
 )
+from sessions.core import Session, SessionConfig, SessionLimits
 from sessions.outbox import Outbox, ReplayBudget
-from sessions.session import Session, SessionConfig, SessionLimits
+from sessions.realtime import RealtimeDialect, RealtimeFraming
 
 log = logging.getLogger(__name__)
 
@@ -439,6 +440,7 @@ class Gateway:
         its first connection: see :meth:`_let_go`)."""
         c = self.config
         outbox = Outbox(
+            RealtimeFraming(),
             coalesce=c.coalesce,
             replay_bytes=c.replay_buffer_bytes if c.resume_window > 0 else 0,
             replay_budget=self._replay_budget,
@@ -446,6 +448,7 @@ class Gateway:
         session = Session(
             self.scheduler,
             outbox,
+            RealtimeDialect(),
             config=self._session_defaults,
             limits=self._limits,
             metrics=self.metrics,

@@ -18,18 +18,17 @@ The outbox is the one path to a session's socket, and it owns the order:
   Anything else a client can make pile up is capped: past the cap the outbox
   drops what is pending, marks itself ``lost`` and calls ``on_overflow``.
 
-Nothing here imports the network: the socket end is a :class:`Wire`.
+Nothing here imports the network (the socket end is a :class:`Wire`) or knows a
+wire format: the session's dialect gives a :class:`Framing`, which splices the
+number into an event and builds the one event per token, a text delta, from bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
-
-import orjson
 
 from gateway.protocol import JSON, encode
 
@@ -38,8 +37,22 @@ from gateway.protocol import JSON, encode
 _DELTA_OVERHEAD = 160
 _PART_OVERHEAD = 64
 _MAX_PARTS = 256
-_DELTA_HEAD = b'{"type":"response.output_text.delta","event_id":"event_'
-_DELTA_INDEXES = b',"output_index":0,"content_index":0,"delta":'
+
+
+class Framing(Protocol):
+    """How one dialect's events carry their number, and its text delta's bytes."""
+
+    first_sequence_number: int
+    replays_first: bool  # False: the first event is never replayed (Realtime's greeting)
+
+    def numbered(self, seq: int, body: bytes) -> bytes:
+        """The encoded event ``body`` (a JSON object) with its number ``seq`` added."""
+
+    def delta_ids(self, response_id: str, item_id: str) -> bytes:
+        """The part of a delta frame that names its response (made once per response)."""
+
+    def delta(self, seq: int, ids: bytes, text: str) -> bytes:
+        """The text delta ``text`` of output 0 of the response ``ids`` names, numbered."""
 
 
 class Wire(Protocol):
@@ -103,6 +116,7 @@ class ReplayBudget:
 class Outbox:
     def __init__(
         self,
+        framing: Framing,
         *,
         max_pending: int = 2048,
         max_pending_bytes: int = 16 << 20,
@@ -127,8 +141,8 @@ class Outbox:
         self._wire: Wire | None = None
         self._writer: asyncio.Task[None] | None = None
         self._closed = False
-        self._seq = 0
-        self._tag_bytes = secrets.token_hex(4).encode()  # event ids: unique per session
+        self._framing = framing
+        self._seq = framing.first_sequence_number - 1
         self._replay: list[bytes] = []  # sent frames from _replay_head on, the first of
         self._replay_head = 0  # them numbered _replay_first
         self._replay_first = 0
@@ -136,6 +150,7 @@ class Outbox:
         self._delta_response: str | None = None  # whose ids _delta_ids holds
         self._delta_item: str | None = None
         self._delta_ids = b""
+        self._replays_first = framing.replays_first
         self._replay_limit = replay_bytes
         self._budget = replay_budget or ReplayBudget(replay_bytes)
         self.lost = False  # events were dropped: a resume cannot be seamless any more
@@ -179,7 +194,9 @@ class Outbox:
         if not self._pending and self._writer is None and wire is not None and wire.writable():
             # The hot path: one token, straight to the socket.
             self._seq += 1
-            frame = self._delta_frame(self._seq, response_id, item_id, text)
+            if response_id is not self._delta_response or item_id is not self._delta_item:
+                self._new_delta_ids(response_id, item_id)
+            frame = self._framing.delta(self._seq, self._delta_ids, text)
             self._sent(self._seq, frame)
             self.stats.delta_frames_out += 1
             wire.write(frame)
@@ -239,7 +256,8 @@ class Outbox:
     def replay_after(self, last_sequence_number: int) -> list[bytes] | None:
         """The frames numbered above ``last_sequence_number``, or None if some of them
         are no longer kept (or were never sent)."""
-        if self.lost or not 0 <= last_sequence_number <= self._seq:
+        first = self._framing.first_sequence_number
+        if self.lost or not first - 1 <= last_sequence_number <= self._seq:
             return None
         first_kept = self._replay_first if self._replay else self._seq + 1
         if last_sequence_number + 1 < first_kept:
@@ -334,46 +352,34 @@ class Outbox:
         self._seq += 1
         seq = self._seq
         if isinstance(entry, _PendingDelta):
-            frame = self._delta_frame(seq, entry.response_id, entry.item_id, "".join(entry.parts))
+            if (
+                entry.response_id is not self._delta_response
+                or entry.item_id is not self._delta_item
+            ):
+                self._new_delta_ids(entry.response_id, entry.item_id)
+            frame = self._framing.delta(seq, self._delta_ids, "".join(entry.parts))
             self.stats.delta_frames_out += 1
         else:
-            # The body is an encoded JSON object: splice the two fields in after "{".
-            frame = b'{"event_id":"event_%b_%x","sequence_number":%d,%b' % (
-                self._tag_bytes,
-                seq,
-                seq,
-                entry[1:],
-            )
+            frame = self._framing.numbered(seq, entry)
         self._sent(seq, frame)
         return frame
 
-    def _delta_frame(self, seq: int, response_id: str, item_id: str, text: str) -> bytes:
-        """A ``response.output_text.delta`` event, built from bytes: one per token, so
-        cheaper than a dict for orjson. The ids' part is made once per response."""
-        if response_id is not self._delta_response or item_id is not self._delta_item:
-            self._delta_response, self._delta_item = response_id, item_id
-            self._delta_ids = b',"response_id":%b,"item_id":%b' % (
-                orjson.dumps(response_id),
-                orjson.dumps(item_id),
-            )
-        return b'%b%b_%x","sequence_number":%d%b%b%b}' % (
-            _DELTA_HEAD,
-            self._tag_bytes,
-            seq,
-            seq,
-            self._delta_ids,
-            _DELTA_INDEXES,
-            orjson.dumps(text),  # escapes the text as JSON does
-        )
+    def _new_delta_ids(self, response_id: str, item_id: str) -> None:
+        """Delta frames are built from bytes, one per token; the part naming the
+        response is made once per response."""
+        self._delta_response, self._delta_item = response_id, item_id
+        self._delta_ids = self._framing.delta_ids(response_id, item_id)
 
     def _sent(self, seq: int, frame: bytes) -> None:
         """Count ``frame`` (numbered ``seq``) and keep it for a resume."""
         size = len(frame)
         self.stats.frames_out += 1
         self.stats.bytes_out += size
-        # Resume off, or the session's first event (session.created): a client that did not
-        # get it has no session id or token to resume with, so it is never replayed.
-        if not self._replay_limit or seq == 1:
+        # Resume off, or a greeting (Realtime's session.created): a client that did not get
+        # it has no session id or token to resume with, so it is never replayed.
+        if not self._replay_limit or (
+            seq == self._framing.first_sequence_number and not self._replays_first
+        ):
             return
         replay = self._replay
         if not replay:

@@ -26,7 +26,7 @@ from openai.types.realtime.realtime_response_status import RealtimeResponseStatu
 from gateway.engines.base import EngineError, Usage
 from gateway.engines.sim import SimEngine
 from gateway.scheduler import CancelReason, Outcome
-from sessions.session import Session
+from sessions.realtime import status_details
 from tests.harness import RawClient, running_gateway
 from tests.scripted_engine import ScriptedEngine, text_then_two_calls
 from tests.test_tools import TIME, WEATHER, output_item, respond_all, set_tools
@@ -221,11 +221,11 @@ def test_every_event_type_and_ending_was_exercised(recorded: list[dict[str, Any]
 @pytest.mark.parametrize("reason", typing.get_args(CancelReason))
 def test_every_cancel_reason_validates(reason: CancelReason) -> None:
     # A dropped socket's reason is seen only by a client that resumes; check it here.
-    details = Session._status_details(Outcome("cancelled", "", Usage(0, 0), cancel_reason=reason))
+    details = status_details(Outcome("cancelled", "", Usage(0, 0), cancel_reason=reason))
     RealtimeResponseStatus.__pydantic_validator__.validate_python(details, strict=True)
     failed = Outcome("failed", "", Usage(0, 0), EngineError("engine_error", "boom"))
     RealtimeResponseStatus.__pydantic_validator__.validate_python(
-        Session._status_details(failed), strict=True
+        status_details(failed), strict=True
     )
 
 

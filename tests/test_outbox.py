@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 from sessions.outbox import CloseRequest, Outbox, ReplayBudget
+from sessions.realtime import RealtimeFraming
 from tests.wires import MemoryWire
 
 
@@ -22,7 +23,7 @@ def deltas(events: list[dict[str, Any] | CloseRequest]) -> list[tuple[str, str]]
 
 
 async def test_with_room_every_event_is_written_at_once_and_numbered() -> None:
-    outbox, wire = Outbox(), MemoryWire()
+    outbox, wire = Outbox(RealtimeFraming()), MemoryWire()
     outbox.attach(wire)
     outbox.put({"type": "session.created"})
     outbox.put_delta("r1", "i1", "Hel")
@@ -38,7 +39,7 @@ async def test_with_room_every_event_is_written_at_once_and_numbered() -> None:
 async def test_event_ids_differ_across_sessions() -> None:
     wires = [MemoryWire() for _ in range(50)]
     for wire in wires:
-        outbox = Outbox()
+        outbox = Outbox(RealtimeFraming())
         outbox.attach(wire)
         outbox.put({"type": "x"})
     ids = {e["event_id"] for w in wires for e in w.drain() if isinstance(e, dict)}
@@ -46,7 +47,7 @@ async def test_event_ids_differ_across_sessions() -> None:
 
 
 async def test_deltas_merge_per_response_while_the_socket_pushes_back() -> None:
-    outbox, wire = Outbox(), MemoryWire(room=False)
+    outbox, wire = Outbox(RealtimeFraming()), MemoryWire(room=False)
     outbox.attach(wire)
     outbox.put_delta("r1", "i1", "Hel")
     outbox.put_delta("r2", "i2", "안")
@@ -64,7 +65,7 @@ async def test_deltas_merge_per_response_while_the_socket_pushes_back() -> None:
 
 
 async def test_many_merged_pieces_stay_one_string_and_lose_nothing() -> None:
-    outbox, wire = Outbox(), MemoryWire(room=False)
+    outbox, wire = Outbox(RealtimeFraming()), MemoryWire(room=False)
     outbox.attach(wire)
     pieces = [f"{i} " for i in range(10_000)]
     for piece in pieces:
@@ -78,7 +79,7 @@ async def test_many_merged_pieces_stay_one_string_and_lose_nothing() -> None:
 
 
 async def test_without_coalescing_every_delta_is_a_frame() -> None:
-    outbox, wire = Outbox(coalesce=False), MemoryWire(room=False)
+    outbox, wire = Outbox(RealtimeFraming(), coalesce=False), MemoryWire(room=False)
     outbox.attach(wire)
     for piece in "abc":
         outbox.put_delta("r", "i", piece)
@@ -87,7 +88,7 @@ async def test_without_coalescing_every_delta_is_a_frame() -> None:
 
 
 async def test_too_much_pending_is_dropped_and_the_socket_closed_with_1008() -> None:
-    outbox, wire = Outbox(max_pending=10), MemoryWire(room=False)
+    outbox, wire = Outbox(RealtimeFraming(), max_pending=10), MemoryWire(room=False)
     overflowed: list[bool] = []
     outbox.on_overflow = lambda: overflowed.append(True)
     outbox.attach(wire)
@@ -100,7 +101,7 @@ async def test_too_much_pending_is_dropped_and_the_socket_closed_with_1008() -> 
 
 
 async def test_close_sends_what_is_pending_then_closes() -> None:
-    outbox, wire = Outbox(), MemoryWire(room=False)
+    outbox, wire = Outbox(RealtimeFraming()), MemoryWire(room=False)
     outbox.attach(wire)
     outbox.put({"type": "response.done"})
     outbox.close(1001, "bye")
@@ -111,7 +112,7 @@ async def test_close_sends_what_is_pending_then_closes() -> None:
 
 
 async def test_events_wait_for_a_socket_then_replay_keeps_their_numbers() -> None:
-    outbox = Outbox()
+    outbox = Outbox(RealtimeFraming())
     outbox.put({"type": "session.created"})  # no socket yet: pending
     first = MemoryWire()
     outbox.attach(first)
@@ -133,7 +134,7 @@ async def test_events_wait_for_a_socket_then_replay_keeps_their_numbers() -> Non
 
 async def test_replay_is_bounded_and_says_when_it_cannot_cover_a_gap() -> None:
     budget = ReplayBudget(10_000)
-    outbox, wire = Outbox(replay_bytes=2_000, replay_budget=budget), MemoryWire()
+    outbox, wire = Outbox(RealtimeFraming(), replay_bytes=2_000, replay_budget=budget), MemoryWire()
     outbox.attach(wire)
     for n in range(100):
         outbox.put({"type": "x", "n": n})
@@ -147,7 +148,9 @@ async def test_replay_is_bounded_and_says_when_it_cannot_cover_a_gap() -> None:
 
 async def test_the_shared_budget_bounds_all_sessions_together() -> None:
     budget = ReplayBudget(5_000)
-    outboxes = [Outbox(replay_bytes=4_000, replay_budget=budget) for _ in range(10)]
+    outboxes = [
+        Outbox(RealtimeFraming(), replay_bytes=4_000, replay_budget=budget) for _ in range(10)
+    ]
     for outbox in outboxes:
         outbox.attach(MemoryWire())
         for n in range(50):
@@ -156,7 +159,7 @@ async def test_the_shared_budget_bounds_all_sessions_together() -> None:
 
 
 async def test_attaching_a_second_socket_closes_the_first_with_4001() -> None:
-    outbox, first, second = Outbox(), MemoryWire(), MemoryWire()
+    outbox, first, second = Outbox(RealtimeFraming()), MemoryWire(), MemoryWire()
     outbox.attach(first)
     outbox.attach(second)
     assert first.closed is not None and first.closed.code == 4001
@@ -167,7 +170,7 @@ async def test_attaching_a_second_socket_closes_the_first_with_4001() -> None:
 async def test_a_second_resume_sends_nothing_twice() -> None:
     """Found in review: a replay still pending for a socket that dropped was sent again,
     beside the next resume's own replay, repeating sequence numbers."""
-    outbox, first = Outbox(), MemoryWire()
+    outbox, first = Outbox(RealtimeFraming()), MemoryWire()
     outbox.attach(first)
     for n in range(5):
         outbox.put({"type": "x", "n": n})  # numbered 1..5
@@ -183,7 +186,7 @@ async def test_a_second_resume_sends_nothing_twice() -> None:
 
 
 async def test_a_resume_does_not_wait_for_a_writer_stuck_on_the_old_socket() -> None:
-    outbox, old = Outbox(), MemoryWire(room=False)
+    outbox, old = Outbox(RealtimeFraming()), MemoryWire(room=False)
     outbox.put({"type": "session.created"})  # 1
     outbox.attach(old)
     for n in range(3):
@@ -197,7 +200,7 @@ async def test_a_resume_does_not_wait_for_a_writer_stuck_on_the_old_socket() -> 
 
 
 async def test_replayed_frames_do_not_count_against_the_pending_cap() -> None:
-    outbox, first = Outbox(max_pending=10), MemoryWire()
+    outbox, first = Outbox(RealtimeFraming(), max_pending=10), MemoryWire()
     outbox.attach(first)
     for n in range(40):
         outbox.put({"type": "x", "n": n})

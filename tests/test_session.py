@@ -12,8 +12,9 @@ import pytest
 from gateway import protocol as p
 from gateway.engines.sim import SimEngine
 from gateway.scheduler import Scheduler
+from sessions.core import Session, SessionLimits
 from sessions.outbox import CloseRequest, Outbox
-from sessions.session import Session, SessionLimits
+from sessions.realtime import RealtimeDialect, RealtimeFraming
 from tests.wires import MemoryWire
 
 
@@ -47,7 +48,12 @@ async def h() -> AsyncIterator[Harness]:
     engine = SimEngine(step_ms=1, response_tokens=12)
     await engine.start()
     scheduler = Scheduler(engine, max_running=8, max_queued=8)
-    session = Session(scheduler, Outbox(), limits=SessionLimits(max_parallel_out_of_band=2))
+    session = Session(
+        scheduler,
+        Outbox(RealtimeFraming()),
+        RealtimeDialect(),
+        limits=SessionLimits(max_parallel_out_of_band=2),
+    )
     harness = Harness(session, engine)
     assert (await harness.next())["type"] == "session.created"
     yield harness
@@ -206,7 +212,7 @@ async def test_engine_failure_ends_failed_with_an_error() -> None:
     engine = SimEngine(step_ms=1, response_tokens=12, fail_after=3)
     await engine.start()
     scheduler = Scheduler(engine, max_running=2, max_queued=2)
-    h = Harness(Session(scheduler, Outbox()), engine)
+    h = Harness(Session(scheduler, Outbox(RealtimeFraming()), RealtimeDialect()), engine)
     await h.next()
     await h.send({"type": "response.create"})
     events = await h.until("response.done")
@@ -227,7 +233,9 @@ async def test_the_conversation_is_bounded_by_items_and_text() -> None:
     await engine.start()
     scheduler = Scheduler(engine, max_running=2, max_queued=2)
     limits = SessionLimits(max_items=3, max_conversation_chars=100)
-    h = Harness(Session(scheduler, Outbox(), limits=limits), engine)
+    h = Harness(
+        Session(scheduler, Outbox(RealtimeFraming()), RealtimeDialect(), limits=limits), engine
+    )
     await h.next()
     await h.send(user("x" * 101))
     assert (await h.next())["error"]["code"] == "conversation_full"
