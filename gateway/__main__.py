@@ -241,6 +241,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="kept for all sessions (default: 256 MiB)",
     )
     limits.add_argument(
+        "--response-store-bytes",
+        type=_number(int, 0),
+        default=64 << 20,
+        metavar="N",
+        help="stored Responses responses (store: true), in all (default: 64 MiB)",
+    )
+    limits.add_argument(
+        "--response-store-ttl",
+        type=_number(float, 0),
+        default=3600.0,
+        metavar="SECONDS",
+        help="how long a stored response can be continued",
+    )
+    limits.add_argument(
+        "--responses-max-age",
+        type=_number(float, 0),
+        default=3600.0,
+        metavar="SECONDS",
+        help="close a Responses WebSocket after (60 minutes, OpenAI's); 0: never",
+    )
+    limits.add_argument(
         "--stall-timeout",
         type=_number(float, 0.01),
         default=30.0,
@@ -323,6 +344,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         resume_window=args.resume_window,
         replay_buffer_bytes=args.replay_bytes,
         replay_buffer_total_bytes=args.replay_total_bytes,
+        response_store_bytes=args.response_store_bytes,
+        response_store_ttl=args.response_store_ttl,
+        responses_max_age=args.responses_max_age,
         coalesce=not args.no_coalesce,
         instructions=args.instructions,
         worker=str(args.worker_index or 0),

@@ -32,3 +32,6 @@ class GatewayConfig:
     node: str | None = None  # this host's name in session ids, for a load balancer's routing
     worker_dir: str | None = None  # with --workers: where the workers' relay sockets are
     reuse_port: bool = False
+    response_store_bytes: int = 64 << 20  # stored Responses responses (store: true), in all
+    response_store_ttl: float = 3600.0  # seconds a stored response can be continued
+    responses_max_age: float = 3600.0  # seconds a Responses WebSocket may stay open; 0: no limit

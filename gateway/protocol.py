@@ -396,7 +396,7 @@ def _audio_settings(r: Reader) -> None:
 _TOOL_FIELDS = frozenset({"type", "name", "description", "parameters"})
 
 
-def read_tools(r: Reader) -> tuple[Tool, ...]:
+def read_tools(r: Reader, extra_fields: frozenset[str] = frozenset()) -> tuple[Tool, ...]:
     """Function tools: ``[{type: "function", name, description?, parameters?}]``."""
     value = r.obj["tools"]
     if value is None:
@@ -414,7 +414,7 @@ def read_tools(r: Reader) -> tuple[Tool, ...]:
                 "Only function tools (type 'function') are supported.",
                 "unsupported_tool_type",
             )
-        t.only(_TOOL_FIELDS)
+        t.only(_TOOL_FIELDS | extra_fields)
         t.required("name")
         name = t.string("name")
         if not TOOL_NAME.fullmatch(name):

@@ -14,8 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
+import secrets
 import time
+import urllib.parse
+import weakref
 from collections.abc import Sequence, ValuesView
+from dataclasses import dataclass
 
 import orjson
 from websockets.asyncio.server import Server, ServerConnection, serve, unix_serve
@@ -24,7 +29,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
-from gateway import auth, http, protocol, relay
+from gateway import auth, http, protocol, relay, responses_protocol
 from gateway.config import GatewayConfig
 from gateway.engines.base import Engine, EngineError
 from gateway.handshake import HandshakeConnection, Pending, PlainRequest
@@ -37,13 +42,22 @@ from gateway.wire import (
     close_socket,
     forget_handshake,
 )
-from sessions.core import Session, SessionConfig, SessionLimits
-from sessions.outbox import Outbox, ReplayBudget
+from sessions.core import Dialect, Session, SessionConfig, SessionLimits
+from sessions.outbox import Framing, Outbox, ReplayBudget
 from sessions.realtime import RealtimeDialect, RealtimeFraming
+from sessions.response_store import ResponseStore
+from sessions.responses import ResponsesDialect, ResponsesFraming
 
 log = logging.getLogger(__name__)
 
 REALTIME_PATHS = ("/v1/realtime", "/v1/realtime/")
+RESPONSES_PATHS = ("/v1/responses", "/v1/responses/")
+# The Responses WebSocket's resume (docs/protocol.md, "Resuming"): the upgrade's response
+# names the session and its token; a new upgrade that sends them back, with the last
+# sequence_number the client processed, continues that session.
+SESSION_HEADER = "x-session-id"
+RESUME_TOKEN_HEADER = "x-resume-token"
+LAST_SEQUENCE_HEADER = "x-last-sequence-number"
 CLIENT_SECRETS_PATHS = ("/v1/realtime/client_secrets", "/v1/realtime/client_secrets/")
 PAGE_CONFIG_PATH = "/page-config.json"
 KEY_SUBPROTOCOL = "openai-insecure-api-key."
@@ -87,6 +101,12 @@ class Gateway:
         )
         self.pending = Pending(config.max_handshakes, on_drop=self._handshake_dropped)
         self._session_defaults = self._describe_sessions()
+        self.response_store = ResponseStore(config.response_store_bytes, config.response_store_ttl)
+        # Responses upgrades, by connection, until their handler takes them: the fresh
+        # session's id and token, or the session to resume (see _process_response).
+        self._upgrades: weakref.WeakKeyDictionary[ServerConnection, _Upgrade] = (
+            weakref.WeakKeyDictionary()
+        )
         self.started_at = time.time()
         # Set when the engine fails for good (Engine._fail); the CLI then stops and exits.
         self.engine_failed = asyncio.Event()
@@ -106,6 +126,7 @@ class Gateway:
             self.config.host,
             self.config.port,
             process_request=self._process_request,
+            process_response=self._process_response,
             select_subprotocol=_select_subprotocol,
             max_size=self.config.max_message_bytes,
             compression=None,  # small JSON frames: deflate costs more CPU than it saves
@@ -258,14 +279,17 @@ class Gateway:
     def _route(self, request: Request) -> Response | None:
         path = request.path.partition("?")[0]
         upgrade = any("websocket" in v.lower() for v in request.headers.get_all("Upgrade"))
-        if path in REALTIME_PATHS:
+        if path in REALTIME_PATHS or path in RESPONSES_PATHS:
             if not upgrade:
+                name = "Realtime" if path in REALTIME_PATHS else "Responses"
                 return http.text_response(
                     426,
-                    "This is the Realtime WebSocket endpoint: connect with a WebSocket client.",
+                    f"This is the {name} WebSocket endpoint: connect with a WebSocket client.",
                     {"Upgrade": "websocket"},
                 )
             refusal = self._refuse_handshake(request.headers)
+            if refusal is None and path in RESPONSES_PATHS:
+                refusal = self._check_resume_headers(request)
             if refusal is not None:
                 self.metrics.connections_refused.labels(status=str(refusal.status_code)).inc()
             return refusal
@@ -326,6 +350,53 @@ class Gateway:
 
     def _handshake_dropped(self, reason: str) -> None:
         self.metrics.handshakes_dropped.labels(reason=reason).inc()
+
+    # -- the Responses WebSocket's session headers --------------------------------
+
+    def _check_resume_headers(self, request: Request) -> Response | None:
+        """A resume asked for that cannot be served: refused before the upgrade (the
+        client then knows it lost the session, and starts a new one)."""
+        asked = _resume_fields(request)
+        if asked is None:
+            return None
+        code = self._resumable(asked)
+        if isinstance(code, str):
+            self.metrics.resumes.labels(outcome=code).inc()
+            return _api_error(
+                404 if code == "session_not_found" else 409, _RESUME_ERRORS[code], code
+            )
+        return None
+
+    def _resumable(self, asked: tuple[str, str, str]) -> str | tuple[Session, str, int]:
+        """The session a resume names, its token and last number; else why not."""
+        session_id, token, last = asked
+        session = self._sessions_by_id.get(session_id)
+        if session is None or self.config.resume_window <= 0:
+            return "session_not_found"
+        if not isinstance(session.dialect, ResponsesDialect):
+            return "session_not_found"
+        if not re.fullmatch(r"-1|\d{1,15}", last):
+            return "resume_gap"
+        code = session.can_resume(token, int(last))
+        return code if code is not None else (session, token, int(last))
+
+    def _process_response(
+        self, connection: ServerConnection, request: Request, response: Response
+    ) -> Response | None:
+        """Name the session of a Responses upgrade in its answer: a fresh one, or the one
+        the request resumes."""
+        if response.status_code != 101 or request.path.partition("?")[0] not in RESPONSES_PATHS:
+            return None
+        asked = _resume_fields(request)
+        found = self._resumable(asked) if asked is not None else None
+        if isinstance(found, tuple):
+            upgrade = _Upgrade(found[0].id, found[1], found[0], found[2])
+        else:
+            upgrade = _Upgrade(self._new_session_id(), secrets.token_urlsafe(24))
+        self._upgrades[connection] = upgrade
+        response.headers[SESSION_HEADER] = upgrade.session_id
+        response.headers[RESUME_TOKEN_HEADER] = upgrade.token
+        return None
 
     # -- plain HTTP: requests that are not a GET (gateway/handshake.py) -----------
 
@@ -392,18 +463,59 @@ class Gateway:
             await close_socket(ws, 1013, "too many sessions")
             return
         cap_kernel_send_buffer(ws)
+        upgrade = self._upgrades.pop(ws, None)
         forget_handshake(ws)
         wire = SocketWire(ws)
         self._wires.add(wire)
-        session: Session | None = self._open_session()
-        assert session is not None
-        session.outbox.attach(wire)
+        session: Session | None
+        if upgrade is None:
+            session = self._open_session(RealtimeDialect(), RealtimeFraming())
+            session.outbox.attach(wire)
+        else:
+            session = self._responses_session(upgrade, wire)
+            if session is None:
+                self._wires.discard(wire)
+                await close_socket(ws, 4004, "session_not_found")
+                return
+        max_age = self.config.responses_max_age
+        expiry = None
+        if upgrade is not None and max_age > 0:
+            expiry = asyncio.get_running_loop().call_later(max_age, self._expire, session)
         try:
             session = await self._read(ws, wire, session)
         finally:
+            if expiry is not None:
+                expiry.cancel()
             self._wires.discard(wire)
             if session is not None:
                 await self._let_go(ws, wire, session)
+
+    def _responses_session(self, upgrade: _Upgrade, wire: SocketWire) -> Session | None:
+        """The session a Responses upgrade named: fresh, or resumed (None: it went away
+        between the upgrade's answer and now)."""
+        if upgrade.resume is None:
+            session = self._open_session(
+                ResponsesDialect(self.response_store),
+                ResponsesFraming(),
+                upgrade.session_id,
+                upgrade.token,
+            )
+            session.outbox.attach(wire)
+            return session
+        target = upgrade.resume
+        code = target.resume(upgrade.token, upgrade.last_sequence_number, wire, rotate=False)
+        self.metrics.resumes.labels(outcome=code or "resumed").inc()
+        if code is not None:
+            return None
+        self._set_detached(target, False)
+        log.info("session %s resumed after event %d", target.id, upgrade.last_sequence_number)
+        return target
+
+    @staticmethod
+    def _expire(session: Session) -> None:
+        dialect = session.dialect
+        if isinstance(dialect, ResponsesDialect):
+            session.call_soon(dialect.expire)
 
     async def _handle_relayed(self, ws: ServerConnection) -> None:
         """A resume another worker received for a session of ours (gateway/relay.py): the
@@ -435,12 +547,24 @@ class Gateway:
             if session is not None:
                 await self._let_go(ws, wire, session)
 
-    def _open_session(self) -> Session:
+    def _new_session_id(self) -> str:
+        # The worker that holds a session is in its id: a resume landing on another
+        # worker is relayed there (gateway/relay.py).
+        c = self.config
+        return protocol.new_id(f"sess_{relay.owner_tag(c.node, c.worker)}")
+
+    def _open_session(
+        self,
+        dialect: Dialect,
+        framing: Framing,
+        session_id: str | None = None,
+        resume_token: str | None = None,
+    ) -> Session:
         """A new session and the task that runs it, until it ends (which may be long after
         its first connection: see :meth:`_let_go`)."""
         c = self.config
         outbox = Outbox(
-            RealtimeFraming(),
+            framing,
             coalesce=c.coalesce,
             replay_bytes=c.replay_buffer_bytes if c.resume_window > 0 else 0,
             replay_budget=self._replay_budget,
@@ -448,13 +572,12 @@ class Gateway:
         session = Session(
             self.scheduler,
             outbox,
-            RealtimeDialect(),
+            dialect,
             config=self._session_defaults,
             limits=self._limits,
             metrics=self.metrics,
-            # The worker that holds a session is in its id: a resume landing on another
-            # worker is relayed there (gateway/relay.py).
-            session_id=protocol.new_id(f"sess_{relay.owner_tag(c.node, c.worker)}"),
+            session_id=session_id or self._new_session_id(),
+            resume_token=resume_token,
         )
         self._sessions_by_id[session.id] = session
         self.metrics.sessions.inc()
@@ -528,10 +651,15 @@ class Gateway:
         """Client frames -> the session's inbox, until the connection ends; returns the
         session the connection ended with (another one after a ``session.resume``), or
         None if the connection was relayed to another worker and that has ended."""
+        decode = (
+            responses_protocol.decode
+            if isinstance(session.dialect, ResponsesDialect)
+            else protocol.decode
+        )
         with contextlib.suppress(ConnectionClosed):
             async for frame in ws:
                 try:
-                    event: protocol.ClientEvent | protocol.ProtocolError = protocol.decode(frame)
+                    event: object = decode(frame)
                 except protocol.ProtocolError as err:
                     event = err
                 if isinstance(event, protocol.SessionResume):
@@ -633,12 +761,44 @@ class Gateway:
         self.metrics.detached.set(len(self._detached))
 
 
+@dataclass(frozen=True, slots=True)
+class _Upgrade:
+    """What a Responses upgrade's answer said: a fresh session's id and token, or the
+    session it resumes (with the token presented and the last number processed)."""
+
+    session_id: str
+    token: str
+    resume: Session | None = None
+    last_sequence_number: int = -1
+
+
 _RESUME_ERRORS: dict[str, str] = {
     "session_not_found": "No session with that id and resume token can be resumed here "
     "(unknown, ended, or its resume window is over); this connection goes on as a new session.",
     "resume_gap": "Some events after last_sequence_number are no longer kept, so the session "
     "cannot be resumed without losing them; this connection goes on as a new session.",
 }
+
+
+def _resume_fields(request: Request) -> tuple[str, str, str] | None:
+    """(session id, resume token, last sequence number) of a Responses resume: from the
+    headers (openai-python's reconnect hook sets headers) or else the query (openai-node's
+    sets only query parameters); None if the request asks for no resume."""
+    headers = request.headers
+    if SESSION_HEADER in headers:
+        return (
+            headers.get(SESSION_HEADER, ""),
+            headers.get(RESUME_TOKEN_HEADER, ""),
+            headers.get(LAST_SEQUENCE_HEADER, "-1").strip(),
+        )
+    query = urllib.parse.parse_qs(request.path.partition("?")[2])
+    if "resume_token" not in query:
+        return None
+    return (
+        query.get("session_id", [""])[0],
+        query["resume_token"][0],
+        query.get("last_sequence_number", ["-1"])[0].strip(),
+    )
 
 
 def _malformed_credentials(headers: Headers) -> str | None:

@@ -251,6 +251,7 @@ class Session:
         limits: SessionLimits | None = None,
         metrics: Metrics | None = None,
         session_id: str | None = None,
+        resume_token: str | None = None,
     ) -> None:
         self.id = session_id or p.new_id("sess")
         self.conversation_id = p.new_id("conv")
@@ -267,7 +268,7 @@ class Session:
         self._responses: dict[Job, ResponseState] = {}
         self._closing: _Close | None = None
         self._close_requested = False
-        self.resume_token = secrets.token_urlsafe(24)  # 192 bits; never logged
+        self.resume_token = resume_token or secrets.token_urlsafe(24)  # 192 bits; never logged
         self._previous_token: str | None = None  # see resume()
         self._expiry: asyncio.TimerHandle | None = None
         self.outbox.on_overflow = self._overflowed
@@ -317,21 +318,32 @@ class Session:
         self._cancel_expiry()
         self._expiry = asyncio.get_running_loop().call_later(window, self.close)
 
-    def resume(self, token: str, last_sequence_number: int, wire: Wire) -> str | None:
+    def can_resume(self, token: str, last_sequence_number: int) -> str | None:
+        """Why :meth:`resume` would fail now (its error code), or None."""
+        if self.ending or not self._token_matches(token):
+            return "session_not_found"
+        if self.outbox.replay_after(last_sequence_number) is None:
+            return "resume_gap"
+        return None
+
+    def resume(
+        self, token: str, last_sequence_number: int, wire: Wire, *, rotate: bool = True
+    ) -> str | None:
         """Send to ``wire`` from now on: the dialect's resumed event (if any), then every
         event numbered above ``last_sequence_number``, then live events. None on success,
         else the error code: ``session_not_found`` (ended, or a wrong token: a guess
-        learns nothing) or ``resume_gap`` (some of those events are no longer kept)."""
-        if self.ending or not self._token_matches(token):
-            return "session_not_found"
+        learns nothing) or ``resume_gap`` (some of those events are no longer kept).
+        ``rotate``: give the session a fresh token (the resumed event carries it)."""
+        code = self.can_resume(token, last_sequence_number)
         replay = self.outbox.replay_after(last_sequence_number)
-        if replay is None:
-            return "resume_gap"
+        if code is not None or replay is None:
+            return code or "resume_gap"
         self._cancel_expiry()
-        # A fresh token; the one presented stays valid beside it until the client shows it
-        # has the fresh one: if this connection drops before the resumed event reaches the
-        # client, its next resume (with the token it holds) must still work.
-        self._previous_token, self.resume_token = token, secrets.token_urlsafe(24)
+        if rotate:
+            # A fresh token; the one presented stays valid beside it until the client shows
+            # it has the fresh one: if this connection drops before the resumed event
+            # reaches the client, its next resume (with the token it holds) must still work.
+            self._previous_token, self.resume_token = token, secrets.token_urlsafe(24)
         resumed = self.dialect.resumed(self.resume_token)
         self.outbox.attach(wire, replay if resumed is None else [resumed, *replay])
         if self.metrics is not None:

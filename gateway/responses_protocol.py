@@ -1,0 +1,406 @@
+"""Sans-I/O codec for the OpenAI Responses API (its WebSocket events, and the create body
+that ``POST /v1/responses`` takes too).
+
+:func:`decode` turns one WebSocket frame into a typed client event; :func:`read_create`
+validates a create body wherever it comes from. Both raise
+:class:`~gateway.protocol.ProtocolError` naming the ``param``. The ``*_json``
+functions build the Responses API's objects (items, parts, the ``Response``) as
+plain dicts. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from gateway.engines.base import Role, Tool, ToolChoice
+from gateway.protocol import (
+    JSON,
+    MAX_ID_CHARS,
+    UNSET,
+    FunctionCallOutputSpec,
+    FunctionCallSpec,
+    ItemSpec,
+    ProtocolError,
+    Reader,
+    Unset,
+    read_frame,
+    read_metadata,
+    read_tool_choice,
+    read_tools,
+)
+
+log = logging.getLogger(__name__)
+
+STREAM_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+MAX_INPUT_ITEMS = 4096
+
+AnyInput: TypeAlias = ItemSpec | FunctionCallSpec | FunctionCallOutputSpec
+
+
+@dataclass(frozen=True, slots=True)
+class CreateBody:
+    """A validated Responses create body; absent fields stay ``UNSET`` (or None)."""
+
+    input: tuple[AnyInput, ...] = ()
+    model: str | None = None
+    instructions: str | None = None
+    tools: tuple[Tool, ...] | Unset = UNSET
+    tool_choice: ToolChoice | Unset = UNSET
+    parallel_tool_calls: bool = True
+    max_output_tokens: int | Unset | None = UNSET
+    temperature: float | Unset | None = UNSET
+    top_p: float | Unset | None = UNSET
+    metadata: dict[str, str] | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    stream_id: str | None = None
+    generate: bool = True
+    truncation: str = "disabled"
+    stream: bool = False
+    background: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Create:
+    body: CreateBody
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    response_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Steer:
+    previous_response_id: str
+    input: tuple[ItemSpec, ...]
+    raw_input: Any  # returned as sent in response.steer.failed
+
+
+@dataclass(frozen=True, slots=True)
+class Ignored:
+    """A client event the gateway reads and drops (``response.processed``)."""
+
+
+ClientEvent: TypeAlias = Create | Cancel | Steer | Ignored
+
+_CREATE_FIELDS = frozenset(
+    {
+        "model",
+        "input",
+        "instructions",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "metadata",
+        "store",
+        "previous_response_id",
+        "stream_id",
+        "generate",
+        "text",
+        "truncation",
+        "stream",
+        "background",
+        # Accepted and ignored: they ask for nothing a text engine lacks.
+        "user",
+        "safety_identifier",
+        "prompt_cache_key",
+        "service_tier",
+        "include",
+        "reasoning",
+        "stream_options",
+        "top_logprobs",
+        "max_tool_calls",
+        "prompt_cache_retention",
+    }
+)
+_ROLES = ("user", "system", "developer", "assistant")
+_PARTS: dict[str, tuple[str, ...]] = {
+    "user": ("input_text",),
+    "system": ("input_text",),
+    "developer": ("input_text",),
+    "assistant": ("output_text", "refusal"),
+}
+
+
+def read_create(obj: Mapping[str, Any], allowed_extra: frozenset[str] = frozenset()) -> CreateBody:
+    """Validate a create body (the WebSocket event's fields or an HTTP request's JSON)."""
+    r = Reader(obj, "", None)
+    r.only(_CREATE_FIELDS | allowed_extra)
+    fields: dict[str, Any] = {}
+    if r.has("model") and obj["model"] is not None:
+        fields["model"] = r.string("model", max_chars=256)
+    if r.has("instructions") and obj["instructions"] is not None:
+        fields["instructions"] = r.string("instructions")
+    if r.has("tools"):
+        fields["tools"] = read_tools(r, frozenset({"strict"}))
+    if r.has("tool_choice"):
+        fields["tool_choice"] = read_tool_choice(r)
+    for key in ("parallel_tool_calls", "store", "generate", "stream", "background"):
+        if r.has(key) and obj[key] is not None:
+            if not isinstance(obj[key], bool):
+                raise r.fail(key, f"'{key}' must be a boolean.", "invalid_type")
+            fields[key] = obj[key]
+    if r.has("max_output_tokens"):
+        value = r.integer("max_output_tokens", 1, 1_000_000)
+        fields["max_output_tokens"] = value
+    if r.has("temperature"):
+        fields["temperature"] = r.number("temperature", 0.0, 2.0)
+    if r.has("top_p"):
+        fields["top_p"] = r.number("top_p", 0.0, 1.0)
+    if r.has("metadata"):
+        fields["metadata"] = read_metadata(r)
+    if r.has("previous_response_id") and obj["previous_response_id"] is not None:
+        fields["previous_response_id"] = r.string("previous_response_id", max_chars=MAX_ID_CHARS)
+    if r.has("stream_id") and obj["stream_id"] is not None:
+        stream_id = obj["stream_id"]
+        if not isinstance(stream_id, str) or not STREAM_ID.fullmatch(stream_id):
+            raise r.fail(
+                "stream_id",
+                "'stream_id' must be 1 to 64 letters, digits or '_', '-', '.', ':'.",
+                "invalid_stream_id",
+            )
+        fields["stream_id"] = stream_id
+    if r.has("truncation") and obj["truncation"] is not None:
+        if obj["truncation"] not in ("auto", "disabled"):
+            raise r.fail("truncation", "'truncation' must be 'auto' or 'disabled'.")
+        fields["truncation"] = obj["truncation"]
+    if r.has("text") and obj["text"] is not None:
+        _text_config(r.child("text"))
+    if r.has("input"):
+        fields["input"] = read_input(r, "input")
+    return CreateBody(**fields)
+
+
+def _text_config(t: Reader) -> None:
+    """Plain text only: a structured format needs a constrained decoder no engine here has."""
+    if t.has("format") and t.obj["format"] is not None:
+        f = t.child("format")
+        kind = f.obj.get("type")
+        if kind != "text":
+            raise f.fail(
+                "type",
+                f"'text.format.type' {kind!r} is not supported: this gateway's engines produce "
+                "plain text only (use 'text'), so structured output cannot be guaranteed.",
+                "unsupported_value",
+            )
+
+
+def read_input(r: Reader, key: str) -> tuple[AnyInput, ...]:
+    """``input``: a string (one user message) or a list of items."""
+    value = r.obj[key]
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (ItemSpec(None, "user", value),)
+    if not isinstance(value, list):
+        raise r.fail(key, f"'{r.param(key)}' must be a string or a list of items.", "invalid_type")
+    if len(value) > MAX_INPUT_ITEMS:
+        raise r.fail(key, f"'{r.param(key)}' holds at most {MAX_INPUT_ITEMS} items.")
+    return tuple(_input_item(r.child_at(key, i, item)) for i, item in enumerate(value))
+
+
+def _input_item(r: Reader) -> AnyInput:
+    kind = r.obj.get("type", "message" if "role" in r.obj else None)
+    if kind == "message":
+        return _message(r)
+    # Fields beyond these are left alone: clients send back output items as they got
+    # them (with ids, statuses and annotations), and new fields keep arriving.
+    if kind == "function_call":
+        return FunctionCallSpec(
+            _optional_id(r),
+            _required_string(r, "call_id"),
+            _name(r),
+            _required_string(r, "arguments"),
+        )
+    if kind == "function_call_output":
+        return FunctionCallOutputSpec(_optional_id(r), _required_string(r, "call_id"), _output(r))
+    raise r.fail(
+        "type",
+        f"Input items of type {kind!r} are not supported: use 'message', 'function_call' or "
+        "'function_call_output'.",
+        "unsupported_value" if isinstance(kind, str) else "invalid_value",
+    )
+
+
+def _message(r: Reader) -> ItemSpec:
+    role = r.required("role")
+    if role not in _ROLES:
+        raise r.fail("role", "'role' must be one of 'user', 'system', 'developer', 'assistant'.")
+    content = r.required("content")
+    if isinstance(content, str):
+        text = content
+    elif isinstance(content, list) and content:
+        texts = []
+        for index, raw in enumerate(content):
+            part = r.child_at("content", index, raw)
+            kind = part.required("type")
+            if kind not in _PARTS[role]:
+                code = "unsupported_value" if kind in ("input_image", "input_file") else None
+                raise part.fail(
+                    "type",
+                    f"A {role} message's parts must be {' or '.join(_PARTS[role])} "
+                    "(this gateway is text only).",
+                    code or "invalid_value",
+                )
+            key = "refusal" if kind == "refusal" else "text"
+            part.required(key)
+            texts.append(part.string(key))
+        text = "".join(texts)
+    else:
+        raise r.fail(
+            "content", "'content' must be a string or a non-empty list of parts.", "invalid_type"
+        )
+    chat_role: Role = "system" if role == "developer" else role
+    return ItemSpec(_optional_id(r), chat_role, text)
+
+
+def _output(r: Reader) -> str:
+    value = r.required("output")
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for index, raw in enumerate(value):
+            part = r.child_at("output", index, raw)
+            if part.required("type") != "input_text":
+                raise part.fail("type", "Tool output parts must be 'input_text' (text only).")
+            part.required("text")
+            texts.append(part.string("text"))
+        return "".join(texts)
+    raise r.fail("output", "'output' must be a string or a list of parts.", "invalid_type")
+
+
+def _optional_id(r: Reader) -> str | None:
+    return r.optional_string("id", max_chars=MAX_ID_CHARS)
+
+
+def _required_string(r: Reader, key: str) -> str:
+    r.required(key)
+    return r.string(key, max_chars=MAX_ID_CHARS if key == "call_id" else None)
+
+
+def _name(r: Reader) -> str:
+    r.required("name")
+    return r.string("name", max_chars=64)
+
+
+def _steer(r: Reader) -> Steer:
+    r.only(frozenset({"type", "previous_response_id", "input"}))
+    r.required("previous_response_id")
+    target = r.string("previous_response_id", max_chars=MAX_ID_CHARS)
+    r.required("input")
+    items = read_input(r, "input")
+    if not items:
+        raise r.fail("input", "'input' must not be empty.")
+    for index, item in enumerate(items):
+        if not isinstance(item, ItemSpec) or item.role != "user":
+            raise r.fail(f"input[{index}]", "Steering input must be user messages.")
+    return Steer(target, tuple(i for i in items if isinstance(i, ItemSpec)), r.obj["input"])
+
+
+def decode(frame: str | bytes) -> ClientEvent:
+    """Parse and validate one client frame of the Responses WebSocket."""
+    obj, _, event_type = read_frame(frame)
+    try:
+        if event_type == "response.create":
+            body = {k: v for k, v in obj.items() if k != "type"}
+            return Create(read_create(body))
+        if event_type == "response.cancel":
+            r = Reader(obj, "", None)
+            r.only(frozenset({"type", "response_id"}))
+            return Cancel(r.optional_string("response_id", max_chars=MAX_ID_CHARS))
+        if event_type == "response.steer":
+            return _steer(Reader(obj, "", None))
+        if event_type == "response.processed":
+            return Ignored()
+    except ProtocolError:
+        raise
+    except Exception:  # a validator's bug must cost one event, not the connection
+        log.exception("failed to decode a %s event", event_type)
+        raise ProtocolError(
+            "invalid_event", "The gateway could not read this event.", error_type="server_error"
+        ) from None
+    raise ProtocolError(
+        "unknown_event_type",
+        f"Unknown event type '{event_type[:64]}': this socket takes response.create, "
+        "response.cancel and response.steer.",
+        param="type",
+    )
+
+
+# ---------------------------------------------------------------------------
+# Objects
+
+
+def text_part(text: str) -> JSON:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def message_json(item_id: str, text: str | None, status: str) -> JSON:
+    """An assistant output message (``text`` None: opened, no part yet)."""
+    return {
+        "id": item_id,
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [] if text is None else [text_part(text)],
+    }
+
+
+def function_call_json(item_id: str, call_id: str, name: str, arguments: str, status: str) -> JSON:
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "status": status,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+    }
+
+
+def usage_json(input_tokens: int, output_tokens: int, cached_tokens: int) -> JSON:
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+def error_json(err: ProtocolError, status: int) -> JSON:
+    """The WebSocket error envelope: ``{type: error, status, error: {...}}``."""
+    return {
+        "type": "error",
+        "status": status,
+        "error": {
+            "type": err.error_type,
+            "code": err.code,
+            "message": err.message,
+            "param": err.param,
+        },
+    }
+
+
+def http_status(err: ProtocolError) -> int:
+    """The HTTP status an error stands for (its envelope's ``status``)."""
+    return _STATUS_BY_CODE.get(err.code, 500 if err.error_type == "server_error" else 400)
+
+
+_STATUS_BY_CODE = {
+    "previous_response_not_found": 400,
+    "response_not_found": 404,
+    "overloaded": 429,
+    "websocket_connection_limit_reached": 400,
+    "internal_error": 500,
+    "engine_error": 500,
+    "engine_unavailable": 503,
+}

@@ -1,0 +1,87 @@
+"""Stored Responses-API responses, for ``previous_response_id`` from any connection.
+
+One store per gateway process, shared by every session of the Responses dialect
+(WebSocket and HTTP). Bounded in bytes (the oldest go first) and in time (each
+expires ``ttl`` seconds after it was stored); expired entries are dropped as they
+are met and from the front on every put, so nothing outlives its TTL by much.
+Only the session actors and the HTTP routes call it, all on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gateway.protocol import JSON
+from sessions.conversation import Item
+
+_ITEM_BYTES = 200  # an Item and its strings' headers, roughly
+_REFERENCE_BYTES = 8  # a history shares its items with its predecessor's
+
+
+@dataclass(eq=False, slots=True)
+class StoredResponse:
+    """A finished response: what continues it, and what ``GET`` shows of it."""
+
+    id: str
+    body: JSON  # the Response object, as its terminal event carried it
+    history: tuple[Item, ...]  # every item of the conversation it ends, its output last
+    input_items: tuple[Item, ...]  # what its own request sent
+    pending_calls: tuple[tuple[str, str], ...] = ()  # (call_id, name) awaiting output
+    size: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        own = sum(len(i.text) + _ITEM_BYTES for i in self.input_items)
+        self.size = own + _REFERENCE_BYTES * len(self.history) + len(str(self.body))
+
+
+class ResponseStore:
+    def __init__(
+        self, max_bytes: int, ttl: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.ttl = ttl
+        self._clock = clock
+        self._entries: OrderedDict[str, tuple[float, StoredResponse]] = OrderedDict()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, response: StoredResponse) -> None:
+        if response.size > self.max_bytes or self.ttl <= 0:
+            return
+        self.delete(response.id)
+        now = self._clock()
+        self._entries[response.id] = (now + self.ttl, response)
+        self.bytes += response.size
+        self._expire(now)
+        while self.bytes > self.max_bytes:
+            _, (_, oldest) = self._entries.popitem(last=False)
+            self.bytes -= oldest.size
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        entry = self._entries.get(response_id)
+        if entry is None:
+            return None
+        if entry[0] <= self._clock():
+            self.delete(response_id)
+            return None
+        return entry[1]
+
+    def delete(self, response_id: str) -> bool:
+        entry = self._entries.pop(response_id, None)
+        if entry is None:
+            return False
+        self.bytes -= entry[1].size
+        return True
+
+    def _expire(self, now: float) -> None:
+        # Entries are in the order they were stored, and all live for the same ttl.
+        while self._entries:
+            expires, response = next(iter(self._entries.values()))
+            if expires > now:
+                return
+            self.delete(response.id)

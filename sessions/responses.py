@@ -1,0 +1,726 @@
+"""The Responses dialect: the OpenAI Responses API's events over the session core.
+
+Each ``response.create`` is one turn that sends only its new input; the conversation
+it continues is named by ``previous_response_id``: the latest response of a lane of
+this connection (kept in memory), or one in the gateway's response store (any
+connection's, ``store: true``). Lanes (``stream_id``) run their turns in order,
+different lanes at once, at most ``MAX_IN_FLIGHT`` per connection (more wait, in
+order); every event of a named lane carries its ``stream_id``. Events are numbered
+from 0 per session, so a resumed connection gets exactly what it missed.
+
+Who owns what: the lanes, the turns waiting in them and the steering input belong
+to this object, which runs on the session actor's turn like the core; the response
+store is the gateway's, shared, and touched only on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import orjson
+
+from gateway import protocol as p
+from gateway import responses_protocol as rp
+from gateway.engines.base import (
+    GenerationRequest,
+    Message,
+    SamplingParams,
+    Tool,
+    ToolCallDelta,
+    ToolChoice,
+)
+from gateway.scheduler import Job, Outcome
+from sessions.conversation import Item, items_to_messages
+from sessions.core import CallState, ResponseSpec, ResponseState, Session, item_status
+from sessions.realtime import check_tool_choice, input_items
+from sessions.response_store import ResponseStore, StoredResponse
+
+MAX_IN_FLIGHT = 16
+MAX_LANES = 32
+MAX_WAITING = 1024  # turns waiting for a lane or a slot, per connection (memory bound)
+MAX_PENDING_STEERS = 8
+
+_DELTA_HEAD = b'{"type":"response.output_text.delta","sequence_number":%d'
+_DELTA_TAIL = b',"output_index":0,"content_index":0,"logprobs":[],"delta":%b}'
+
+
+class ResponsesFraming:
+    """Responses events carry ``sequence_number`` (from 0, per session); no event ids."""
+
+    __slots__ = ()
+    first_sequence_number = 0
+    replays_first = True
+
+    def numbered(self, seq: int, body: bytes) -> bytes:
+        return b'{"sequence_number":%d,%b' % (seq, body[1:])
+
+    def delta_ids(self, response_id: str, item_id: str) -> bytes:
+        # The delta key is "response id" or "response id stream id" (see Lane.key).
+        _, _, stream_id = response_id.partition(" ")
+        ids = b',"item_id":%b' % orjson.dumps(item_id)
+        return ids + b',"stream_id":%b' % orjson.dumps(stream_id) if stream_id else ids
+
+    def delta(self, seq: int, ids: bytes, text: str) -> bytes:
+        return _DELTA_HEAD % seq + ids + _DELTA_TAIL % orjson.dumps(text)
+
+
+@dataclass(eq=False, slots=True)
+class _Turn:
+    """A turn's own data, beside the core's ResponseState (its ``spec.tag``)."""
+
+    body: rp.CreateBody
+    lane: _Lane
+    history: tuple[Item, ...]
+    input: tuple[Item, ...]
+    created_at: int
+    instructions: str | None
+    tools: tuple[Tool, ...]
+    tool_choice: ToolChoice
+    steers: list[tuple[str, rp.Steer]] = field(default_factory=list)  # accepted, queued
+
+
+@dataclass(eq=False, slots=True)
+class _Lane:
+    stream_id: str | None
+    affinity_key: str
+    waiting: deque[rp.CreateBody] = field(default_factory=deque)
+    running: ResponseState | None = None
+    warming: Job | None = None  # a generate: false turn's prefill
+    latest: StoredResponse | None = None
+    # Steering accepted while the latest response waits for tool output: prepended to
+    # the next create that continues it.
+    pending_steers: list[tuple[str, rp.Steer]] = field(default_factory=list)
+
+    @property
+    def busy(self) -> bool:
+        return self.running is not None or self.warming is not None
+
+
+class _Prefill:
+    """The sink of a ``generate: false`` turn's prefill job: its output is not wanted."""
+
+    __slots__ = ("_done",)
+
+    def __init__(self, done: Callable[[Outcome], None]) -> None:
+        self._done = done
+
+    def on_delta(self, job: Job, text: str) -> None:
+        pass
+
+    def on_tool_call_delta(self, job: Job, delta: ToolCallDelta) -> None:
+        pass
+
+    def on_finish(self, job: Job, outcome: Outcome) -> None:
+        self._done(outcome)
+
+
+class ResponsesDialect:
+    """A session's Responses half (see the module docstring)."""
+
+    decode = staticmethod(rp.decode)
+
+    def __init__(self, store: ResponseStore | None = None) -> None:
+        self._core: Session | None = None
+        self.store = store
+        self._lanes: dict[str | None, _Lane] = {}
+        self._ready: deque[_Lane] = deque()  # lanes with a turn waiting for a slot
+        self._waiting = 0
+
+    @property
+    def core(self) -> Session:
+        assert self._core is not None
+        return self._core
+
+    def attach(self, core: Session) -> None:
+        self._core = core
+
+    def resumed(self, resume_token: str) -> bytes | None:
+        return None  # the upgrade's headers say it (gateway/server.py)
+
+    def close(self) -> None:
+        for lane in self._lanes.values():
+            lane.waiting.clear()
+            if lane.warming is not None:
+                self.core.scheduler.cancel(lane.warming, "disconnected")
+        self._ready.clear()
+        self._waiting = 0
+
+    def expire(self) -> None:
+        """The connection reached ``--responses-max-age``: say so, then end it."""
+        self.error(
+            p.ProtocolError(
+                "websocket_connection_limit_reached",
+                "This connection reached its maximum age; open a new one (responses stored "
+                "with store: true can be continued there).",
+            )
+        )
+        self.core.close("disconnected", 1000, "connection age limit reached")
+
+    # -- commands --------------------------------------------------------------------
+
+    def handle(self, command: object) -> None:
+        match command:
+            case rp.Create():
+                self._create(command.body)
+            case rp.Cancel():
+                self._cancel(command.response_id)
+            case rp.Steer():
+                self._steer(command)
+            case rp.Ignored():
+                pass
+
+    def error(self, err: p.ProtocolError, stream_id: str | None = None) -> None:
+        event = rp.error_json(err, rp.http_status(err))
+        if stream_id is not None:
+            event["stream_id"] = stream_id
+        self.core.outbox.put(event)
+
+    def _create(self, body: rp.CreateBody) -> None:
+        lane = self._lanes.get(body.stream_id)
+        if lane is None:
+            if body.stream_id is not None and sum(k is not None for k in self._lanes) >= MAX_LANES:
+                raise p.ProtocolError(
+                    "websocket_stream_limit_reached",
+                    f"A connection has at most {MAX_LANES} named lanes (stream_id).",
+                    param="stream_id",
+                )
+            key = self.core.conversation_id + (f" {body.stream_id}" if body.stream_id else "")
+            lane = self._lanes[body.stream_id] = _Lane(body.stream_id, key)
+        if self._waiting >= MAX_WAITING:
+            raise p.ProtocolError(
+                "too_many_queued_responses",
+                f"At most {MAX_WAITING} response.create may wait on one connection.",
+                param="stream_id" if body.stream_id else None,
+            )
+        lane.waiting.append(body)
+        self._waiting += 1
+        self._ready.append(lane)
+        self._start_ready()
+
+    def _in_flight(self) -> int:
+        return self.core.live_responses + sum(
+            lane.warming is not None for lane in self._lanes.values()
+        )
+
+    def _start_ready(self) -> None:
+        """Start waiting turns, oldest lane first, while a slot is free."""
+        skipped: deque[_Lane] = deque()
+        while self._ready and self._in_flight() < MAX_IN_FLIGHT and not self.core.closing:
+            lane = self._ready.popleft()
+            if lane.busy or not lane.waiting:
+                if lane.waiting:
+                    skipped.append(lane)  # it runs when its own turn ends
+                continue
+            body = lane.waiting.popleft()
+            self._waiting -= 1
+            try:
+                self._start(lane, body)
+            except p.ProtocolError as err:
+                self._lane_error(err, lane)
+                if lane.waiting:
+                    self._ready.append(lane)
+        self._ready.extendleft(reversed(skipped))
+
+    def _lane_error(self, err: p.ProtocolError, lane: _Lane) -> None:
+        if self.core.metrics is not None:
+            self.core.metrics.errors.labels(code=err.code).inc()
+        self.error(err, lane.stream_id)
+
+    def _history(self, lane: _Lane, body: rp.CreateBody) -> StoredResponse | None:
+        """The response ``body`` continues: a lane's latest here, else the store's."""
+        wanted = body.previous_response_id
+        if wanted is None:
+            return None
+        if lane.latest is not None and lane.latest.id == wanted:
+            return lane.latest
+        for other in self._lanes.values():  # a fork: another lane's latest, on a new lane
+            if other.latest is not None and other.latest.id == wanted:
+                return other.latest
+        stored = self.store.get(wanted) if self.store is not None else None
+        if stored is None:
+            raise p.ProtocolError(
+                "previous_response_not_found",
+                f"Previous response with id '{wanted}' not found.",
+                param="previous_response_id",
+            )
+        return stored
+
+    def _start(
+        self, lane: _Lane, body: rp.CreateBody, steers: list[tuple[str, rp.Steer]] | None = None
+    ) -> None:
+        core, c = self.core, self.core.config
+        previous = self._history(lane, body)
+        history = previous.history if previous is not None else ()
+        queued = steers or []
+        if previous is not None and lane.latest is previous and lane.pending_steers:
+            queued, lane.pending_steers = [*lane.pending_steers, *queued], []
+        steer_specs = tuple(spec for _, steer in queued for spec in steer.input)
+        new = input_items((*steer_specs, *body.input), "input", None, history)
+        items = tuple(replace(i, id=i.id or core.free_item_id()) for i in new)
+        tools = c.tools if body.tools == p.UNSET else body.tools
+        choice = c.tool_choice if body.tool_choice == p.UNSET else body.tool_choice
+        check_tool_choice(tools, choice, "", None)
+        instructions = body.instructions if body.instructions is not None else c.instructions
+        system = [Message("system", instructions)] if instructions else []
+        messages = (*system, *items_to_messages([*history, *items]))
+        sampling = SamplingParams(
+            max_output_tokens=c.max_output_tokens
+            if body.max_output_tokens == p.UNSET
+            else body.max_output_tokens,
+            temperature=c.temperature if body.temperature == p.UNSET else body.temperature,
+            top_p=c.top_p if body.top_p == p.UNSET else body.top_p,
+            seed=c.seed,
+            stop=c.stop,
+        )
+        turn = _Turn(body, lane, history, items, int(time.time()), body.instructions, tools, choice)
+        if not body.generate:
+            self._prefill(lane, turn, messages, sampling)
+            return
+        spec = ResponseSpec(
+            messages=messages,
+            sampling=sampling,
+            tools=tools,
+            tool_choice=choice,
+            in_conversation=False,
+            affinity_key=lane.affinity_key,
+            metadata=body.metadata,
+            tag=turn,
+        )
+        response = core.start_response(spec)
+        if response is None:
+            raise p.ProtocolError(
+                "overloaded",
+                "The gateway is at capacity (every engine slot and queue place is taken); "
+                "retry shortly.",
+                error_type="server_error",
+            )
+        lane.running = response
+
+    # -- generate: false -------------------------------------------------------------
+
+    def _prefill(
+        self, lane: _Lane, turn: _Turn, messages: tuple[Message, ...], sampling: SamplingParams
+    ) -> None:
+        """Store the input as a response without output; prefill the lane's cache."""
+        core = self.core
+        response_id = p.new_id("resp")
+        request = GenerationRequest(
+            request_id=response_id,
+            messages=messages,
+            sampling=replace(sampling, max_output_tokens=1),
+            affinity_key=lane.affinity_key,
+        )
+        job = Job(
+            request,
+            session_key=core.id,
+            sink=_Prefill(
+                lambda o: core.call_soon(lambda: self._prefilled(lane, turn, response_id, o))
+            ),
+        )
+        body = self._response_json(response_id, turn, "in_progress")
+        self._put(lane, {"type": "response.created", "response": body})
+        if core.scheduler.submit(job):
+            lane.warming = job
+        else:  # no slot to warm a cache with: the turn is stored all the same
+            self._prefilled(lane, turn, response_id, None)
+
+    def _prefilled(
+        self, lane: _Lane, turn: _Turn, response_id: str, outcome: Outcome | None
+    ) -> None:
+        lane.warming = None
+        usage = (
+            None
+            if outcome is None
+            else rp.usage_json(outcome.usage.input_tokens, 0, outcome.usage.cached_tokens)
+        )
+        body = self._response_json(response_id, turn, "completed", [], usage)
+        self._put(lane, {"type": "response.completed", "response": body})
+        self._remember(lane, turn, response_id, body, (), ())
+        self._after_turn(lane)
+
+    # -- the core's reports ----------------------------------------------------------
+
+    def _turn(self, r: ResponseState) -> _Turn:
+        assert isinstance(r.spec.tag, _Turn)
+        return r.spec.tag
+
+    def _put(self, lane: _Lane, event: p.JSON) -> None:
+        if lane.stream_id is not None:
+            event["stream_id"] = lane.stream_id
+        self.core.outbox.put(event)
+
+    def _response_json(
+        self,
+        response_id: str,
+        turn: _Turn,
+        status: str,
+        output: list[p.JSON] | None = None,
+        usage: p.JSON | None = None,
+        incomplete: str | None = None,
+        error: p.JSON | None = None,
+    ) -> p.JSON:
+        body, c = turn.body, self.core.config
+        return {
+            "id": response_id,
+            "object": "response",
+            "created_at": turn.created_at,
+            "status": status,
+            "background": body.background,
+            "error": error,
+            "incomplete_details": None if incomplete is None else {"reason": incomplete},
+            "instructions": turn.instructions,
+            "max_output_tokens": None
+            if body.max_output_tokens == p.UNSET
+            else body.max_output_tokens,
+            "metadata": body.metadata or {},
+            "model": c.model,
+            "output": output or [],
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "previous_response_id": body.previous_response_id,
+            "temperature": c.temperature if body.temperature == p.UNSET else body.temperature,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": p.tool_choice_json(turn.tool_choice),
+            "tools": [{**t, "strict": False} for t in p.tools_json(turn.tools)],
+            "top_p": c.top_p if body.top_p == p.UNSET else body.top_p,
+            "truncation": body.truncation,
+            "usage": usage,
+        }
+
+    def response_started(self, r: ResponseState) -> None:
+        turn = self._turn(r)
+        if turn.lane.stream_id is not None:
+            r.delta_key = f"{r.id} {turn.lane.stream_id}"
+        body = self._response_json(r.id, turn, "in_progress")
+        self._put(turn.lane, {"type": "response.created", "response": body})
+        self._put(turn.lane, {"type": "response.in_progress", "response": body})
+
+    def text_opened(self, r: ResponseState) -> None:
+        lane = self._turn(r).lane
+        index = r.text_index
+        self._put(
+            lane,
+            {
+                "type": "response.output_item.added",
+                "output_index": index,
+                "item": rp.message_json(r.item_id, None, "in_progress"),
+            },
+        )
+        self._put(
+            lane,
+            {
+                "type": "response.content_part.added",
+                "item_id": r.item_id,
+                "output_index": index,
+                "content_index": 0,
+                "part": rp.text_part(""),
+            },
+        )
+
+    def text_delta(self, r: ResponseState, text: str) -> None:
+        self._put(
+            self._turn(r).lane,
+            {
+                "type": "response.output_text.delta",
+                "item_id": r.item_id,
+                "output_index": r.text_index,
+                "content_index": 0,
+                "delta": text,
+                "logprobs": [],
+            },
+        )
+
+    def call_opened(self, r: ResponseState, call: CallState) -> None:
+        item = rp.function_call_json(call.item_id, call.call_id, call.name, "", "in_progress")
+        self._put(
+            self._turn(r).lane,
+            {"type": "response.output_item.added", "output_index": call.output_index, "item": item},
+        )
+
+    def call_delta(self, r: ResponseState, call: CallState, arguments: str) -> None:
+        self._put(
+            self._turn(r).lane,
+            {
+                "type": "response.function_call_arguments.delta",
+                "item_id": call.item_id,
+                "output_index": call.output_index,
+                "delta": arguments,
+            },
+        )
+
+    def response_ended(self, r: ResponseState, outcome: Outcome) -> None:
+        turn = self._turn(r)
+        lane = turn.lane
+        lane.running = None
+        status = item_status(outcome)
+        outputs: list[tuple[int, p.JSON, Item]] = []
+        if r.text_index is not None:
+            outputs.append(
+                (
+                    r.text_index,
+                    self._close_text(lane, r, outcome.text, status),
+                    Item(r.item_id, "assistant", outcome.text, status),
+                )
+            )
+        for call in r.calls.values():
+            outputs.append(
+                (
+                    call.output_index,
+                    self._close_call(lane, call, status),
+                    Item.function_call(
+                        call.item_id, call.call_id, call.name, call.arguments, status
+                    ),
+                )
+            )
+        outputs.sort(key=lambda entry: entry[0])
+        usage = outcome.usage
+        usage_json = rp.usage_json(usage.input_tokens, usage.output_tokens, usage.cached_tokens)
+        kind, response_status, incomplete, error = self._ending(turn, outcome)
+        body = self._response_json(
+            r.id, turn, response_status, [o for _, o, _ in outputs], usage_json, incomplete, error
+        )
+        self._put(lane, {"type": kind, "response": body})
+        calls = tuple(
+            (call.call_id, call.name) for call in r.calls.values() if status == "completed"
+        )
+        self._remember(lane, turn, r.id, body, tuple(item for _, _, item in outputs), calls)
+        self._settle_steers(lane, turn, r.id, response_status, calls)
+        self._after_turn(lane)
+
+    def _ending(self, turn: _Turn, outcome: Outcome) -> tuple[str, str, str | None, p.JSON | None]:
+        """The terminal event's type, the response's status, incomplete reason, error."""
+        if outcome.status == "completed":
+            return "response.completed", "completed", None, None
+        if outcome.status == "incomplete":
+            return "response.incomplete", "incomplete", "max_output_tokens", None
+        if outcome.status == "cancelled":
+            if turn.steers:  # stopped by response.steer (the successor follows)
+                return "response.incomplete", "incomplete", "steered", None
+            # A cancelled response ends with response.incomplete, which every official
+            # client takes as a terminal event (docs/protocol.md).
+            return "response.incomplete", "cancelled", None, None
+        error = outcome.error
+        code = error.code if error is not None else "engine_error"
+        message = error.message if error is not None else "the engine failed"
+        return (
+            "response.failed",
+            "failed",
+            None,
+            {"code": _response_error_code(code), "message": message},
+        )
+
+    def _close_text(self, lane: _Lane, r: ResponseState, text: str, status: str) -> p.JSON:
+        ids = {"item_id": r.item_id, "output_index": r.text_index, "content_index": 0}
+        self._put(lane, {"type": "response.output_text.done", **ids, "text": text, "logprobs": []})
+        self._put(lane, {"type": "response.content_part.done", **ids, "part": rp.text_part(text)})
+        item = rp.message_json(r.item_id, text, status)
+        self._put(
+            lane, {"type": "response.output_item.done", "output_index": r.text_index, "item": item}
+        )
+        return item
+
+    def _close_call(self, lane: _Lane, call: CallState, status: str) -> p.JSON:
+        self._put(
+            lane,
+            {
+                "type": "response.function_call_arguments.done",
+                "item_id": call.item_id,
+                "output_index": call.output_index,
+                "arguments": call.arguments,
+            },
+        )
+        item = rp.function_call_json(call.item_id, call.call_id, call.name, call.arguments, status)
+        self._put(
+            lane,
+            {"type": "response.output_item.done", "output_index": call.output_index, "item": item},
+        )
+        return item
+
+    def _remember(
+        self,
+        lane: _Lane,
+        turn: _Turn,
+        response_id: str,
+        body: p.JSON,
+        outputs: tuple[Item, ...],
+        calls: tuple[tuple[str, str], ...],
+    ) -> None:
+        stored = StoredResponse(
+            response_id, body, (*turn.history, *turn.input, *outputs), turn.input, calls
+        )
+        lane.latest = stored
+        if turn.body.store and self.store is not None:
+            self.store.put(stored)
+
+    def _after_turn(self, lane: _Lane) -> None:
+        if lane.waiting:
+            self._ready.appendleft(lane)
+        self._start_ready()
+
+    # -- cancel and steer ------------------------------------------------------------
+
+    def _cancel(self, response_id: str | None) -> None:
+        live = [r for r in self.core.responses if not r.cancelling]
+        target = (
+            next((r for r in live if r.id == response_id), None)
+            if response_id
+            else (live[-1] if live else None)
+        )
+        if target is None:
+            raise p.ProtocolError(
+                "response_not_found" if response_id else "response_cancel_not_active",
+                f"No response '{response_id}' is in progress on this connection."
+                if response_id
+                else "No response is in progress on this connection.",
+                param="response_id" if response_id else None,
+            )
+        self.core.cancel_response(target)
+
+    def _steer(self, steer: rp.Steer) -> None:
+        target = next((r for r in self.core.responses if r.id == steer.previous_response_id), None)
+        if target is not None and not target.cancelling:
+            turn = self._turn(target)
+            if len(turn.steers) >= MAX_PENDING_STEERS:
+                self._steer_failed(
+                    steer,
+                    None,
+                    "too_many_pending_steers",
+                    "Too much steering input is pending for this response.",
+                    turn.lane,
+                )
+                return
+            steer_id = p.new_id(_STEERED)
+            turn.steers.append((steer_id, steer))
+            self._put(
+                turn.lane,
+                {
+                    "type": "response.steer.accepted",
+                    "steer": {"id": steer_id, "previous_response_id": target.id},
+                },
+            )
+            # Stopped at the next token boundary; response_ended starts the successor.
+            self.core.cancel_response(target)
+            return
+        lane = next(
+            (
+                ln
+                for ln in self._lanes.values()
+                if ln.latest is not None and ln.latest.id == steer.previous_response_id
+            ),
+            None,
+        )
+        if (
+            lane is not None
+            and lane.latest is not None
+            and lane.latest.pending_calls
+            and not lane.busy
+        ):
+            steer_id = p.new_id(_STEERED)
+            self._put(
+                lane,
+                {
+                    "type": "response.steer.accepted",
+                    "steer": {"id": steer_id, "previous_response_id": lane.latest.id},
+                },
+            )
+            lane.pending_steers.append((steer_id, steer))
+            self._put_pending(lane, steer_id, lane.latest)
+            return
+        if target is not None or lane is not None:
+            self._steer_failed(
+                steer,
+                None,
+                "response_already_completed" if target is None else "response_not_active",
+                "The response is no longer accepting steering input.",
+                lane,
+            )
+            return
+        self._steer_failed(
+            steer,
+            None,
+            "response_not_found",
+            f"No response '{steer.previous_response_id}' is active on this connection.",
+            None,
+        )
+
+    def _put_pending(self, lane: _Lane, steer_id: str, latest: StoredResponse) -> None:
+        required = [
+            {"type": "function_call_output", "call_id": call_id, "name": name}
+            for call_id, name in latest.pending_calls
+        ]
+        self._put(
+            lane,
+            {
+                "type": "response.steer.pending",
+                "reason": "waiting_for_required_input",
+                "required_input": required,
+                "steer": {"id": steer_id, "previous_response_id": latest.id},
+            },
+        )
+
+    def _steer_failed(
+        self, steer: rp.Steer, steer_id: str | None, code: str, message: str, lane: _Lane | None
+    ) -> None:
+        event: p.JSON = {
+            "type": "response.steer.failed",
+            "error": {"type": "invalid_request_error", "code": code, "message": message},
+            "steer": {
+                "input": steer.raw_input,
+                "previous_response_id": steer.previous_response_id,
+                **({"id": steer_id} if steer_id else {}),
+            },
+        }
+        if lane is not None:
+            self._put(lane, event)
+        else:
+            self.core.outbox.put(event)
+
+    def _settle_steers(
+        self,
+        lane: _Lane,
+        turn: _Turn,
+        response_id: str,
+        status: str,
+        calls: tuple[tuple[str, str], ...],
+    ) -> None:
+        """What becomes of steering input accepted for a response that just ended."""
+        steers, turn.steers = turn.steers, []
+        if not steers:
+            return
+        if status in ("cancelled", "failed") or self.core.closing:
+            for steer_id, steer in steers:
+                self._steer_failed(
+                    steer,
+                    steer_id,
+                    "response_not_active",
+                    "The response ended without a successor: send it in a new response.create.",
+                    lane,
+                )
+            return
+        if calls:  # it waits for tool output: the input goes with the next create
+            lane.pending_steers.extend(steers)
+            assert lane.latest is not None
+            for steer_id, _ in steers:
+                self._put_pending(lane, steer_id, lane.latest)
+            return
+        # The successor: the same settings, continuing this response with the input.
+        successor = replace(turn.body, input=(), previous_response_id=response_id, generate=True)
+        try:
+            self._start(lane, successor, steers)
+        except p.ProtocolError as err:
+            for steer_id, steer in steers:
+                self._steer_failed(steer, steer_id, "successor_creation_failed", err.message, lane)
+
+
+_STEERED = "steer"
+
+
+def _response_error_code(code: str) -> str:
+    """A ``Response.error.code`` the official types know for an engine's error code."""
+    return (
+        "invalid_prompt"
+        if code in ("context_length_exceeded", "invalid_request")
+        else "server_error"
+    )
