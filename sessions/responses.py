@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import orjson
 
@@ -117,14 +118,31 @@ class _Prefill:
         self._done(outcome)
 
 
+class ResponseObserver(Protocol):
+    """Who waits on an HTTP request's response (gateway/responses_http.py): told when it
+    starts and ends, with the ``Response`` object, or why it was refused."""
+
+    def started(self, body: p.JSON) -> None: ...
+
+    def ended(self, body: p.JSON) -> None: ...
+
+    def refused(self, err: p.ProtocolError) -> None: ...
+
+
 class ResponsesDialect:
-    """A session's Responses half (see the module docstring)."""
+    """A session's Responses half (see the module docstring).
+
+    With an ``observer`` (HTTP: one response per session) a refused request is told to
+    it, to be answered with an HTTP status, instead of becoming an ``error`` event."""
 
     decode = staticmethod(rp.decode)
 
-    def __init__(self, store: ResponseStore | None = None) -> None:
+    def __init__(
+        self, store: ResponseStore | None = None, observer: ResponseObserver | None = None
+    ) -> None:
         self._core: Session | None = None
         self.store = store
+        self.observer = observer
         self._lanes: dict[str | None, _Lane] = {}
         self._ready: deque[_Lane] = deque()  # lanes with a turn waiting for a slot
         self._waiting = 0
@@ -136,6 +154,12 @@ class ResponsesDialect:
 
     def attach(self, core: Session) -> None:
         self._core = core
+
+    @property
+    def latest(self) -> StoredResponse | None:
+        """The latest finished response of the lane without a stream_id (HTTP's one)."""
+        lane = self._lanes.get(None)
+        return lane.latest if lane is not None else None
 
     def resumed(self, resume_token: str) -> bytes | None:
         return None  # the upgrade's headers say it (gateway/server.py)
@@ -173,6 +197,9 @@ class ResponsesDialect:
                 pass
 
     def error(self, err: p.ProtocolError, stream_id: str | None = None) -> None:
+        if self.observer is not None:
+            self.observer.refused(err)
+            return
         event = rp.error_json(err, rp.http_status(err))
         if stream_id is not None:
             event["stream_id"] = stream_id
@@ -322,6 +349,8 @@ class ResponsesDialect:
         )
         body = self._response_json(response_id, turn, "in_progress")
         self._put(lane, {"type": "response.created", "response": body})
+        if self.observer is not None:
+            self.observer.started(body)
         if core.scheduler.submit(job):
             lane.warming = job
         else:  # no slot to warm a cache with: the turn is stored all the same
@@ -338,6 +367,8 @@ class ResponsesDialect:
         )
         body = self._response_json(response_id, turn, "completed", [], usage)
         self._put(lane, {"type": "response.completed", "response": body})
+        if self.observer is not None:
+            self.observer.ended(body)
         self._remember(lane, turn, response_id, body, (), ())
         self._after_turn(lane)
 
@@ -395,6 +426,8 @@ class ResponsesDialect:
             r.delta_key = f"{r.id} {turn.lane.stream_id}"
         body = self._response_json(r.id, turn, "in_progress")
         self._put(turn.lane, {"type": "response.created", "response": body})
+        if self.observer is not None:
+            self.observer.started(body)
         self._put(turn.lane, {"type": "response.in_progress", "response": body})
 
     def text_opened(self, r: ResponseState) -> None:
@@ -482,6 +515,8 @@ class ResponsesDialect:
             r.id, turn, response_status, [o for _, o, _ in outputs], usage_json, incomplete, error
         )
         self._put(lane, {"type": kind, "response": body})
+        if self.observer is not None:
+            self.observer.ended(body)
         calls = tuple(
             (call.call_id, call.name) for call in r.calls.values() if status == "completed"
         )

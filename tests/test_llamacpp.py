@@ -41,6 +41,7 @@ from gateway.engines.base import (
 from gateway.engines.driver import EngineDriver
 from gateway.engines.llamacpp import LlamaCppEngine, bundled_model_path
 from tests.harness import RawClient, RunningGateway, running_gateway
+from tests.responses_harness import ResponsesClient
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("xllamacpp") is None
@@ -706,3 +707,22 @@ async def test_streamed_tool_call_chunks_become_call_deltas(engine: LlamaCppEngi
         ToolCallDelta(0, ' "Paris"}', tokens=3),
     ]
     assert generation.finish_reason == "tool_calls"
+
+
+async def test_e2e_responses_websocket_chains_and_warms_with_generate_false(
+    gw: RunningGateway,
+) -> None:
+    url = gw.ws_url.replace("/v1/realtime", "/v1/responses")
+    async with ResponsesClient.connect(url) as client:
+        sampling = {"instructions": SYSTEM.text, "temperature": 0, "max_output_tokens": 24}
+        warm = await client.respond(input=FRANCE.text, generate=False, **sampling)
+        assert warm.types == ["response.created", "response.completed"]
+        turn = await client.respond(previous_response_id=warm.id, **sampling)
+        assert "Paris" in turn.text and turn.text == turn.output_text
+        # The prefill left the conversation's prompt in the lane's slot.
+        cached = turn.response["usage"]["input_tokens_details"]["cached_tokens"]
+        assert cached >= warm.response["usage"]["input_tokens"] - 1
+        follow = await client.respond(
+            input="And of Germany?", previous_response_id=turn.id, **sampling
+        )
+        assert "Berlin" in follow.text

@@ -39,6 +39,7 @@ from gateway.engines.base import (
     TextDelta,
 )
 from tests.harness import RawClient, running_gateway
+from tests.responses_harness import ResponsesClient
 
 ROOT = Path(__file__).parent.parent
 STANDIN_ROOT = Path(__file__).parent / "trtllm_standin"
@@ -1043,3 +1044,16 @@ def test_smoke_script_runs_on_the_standin() -> None:
         assert label in result.stdout
     for item in ("item 1", "item 3", "item 10"):
         assert f"[{item}] PASS" in result.stdout, result.stdout
+
+
+async def test_the_responses_websocket_serves_trtllm(standin: ModuleType) -> None:
+    standin.controls.reply = "Paris is the capital of France."
+    async with running_gateway(standin_engine()) as gw:
+        url = gw.ws_url.replace("/v1/realtime", "/v1/responses")
+        async with ResponsesClient.connect(url) as client:
+            turn = await client.respond(input="What is the capital of France?")
+            assert turn.text == turn.output_text == "Paris is the capital of France."
+            usage = turn.response["usage"]
+            assert usage["input_tokens"] == len(standin.stats.requests[-1].prompt_token_ids)
+            warm = await client.respond(input="More?", previous_response_id=turn.id, generate=False)
+            assert warm.response["output"] == []

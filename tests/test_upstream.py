@@ -26,6 +26,7 @@ from gateway.engines.upstream import Replica, Router, UpstreamEngine
 from tests import llama_server
 from tests.harness import RawClient, RunningGateway, running_gateway
 from tests.llama_server import LlamaServer
+from tests.responses_harness import ResponsesClient
 
 QUESTION = "What is the capital of France?"
 STORY = "Write a long story about a dragon who learns to bake bread."
@@ -672,3 +673,18 @@ async def test_a_real_llama_cpp_server_takes_tools_calls_and_outputs(
         assert answer.status in ("completed", "incomplete")
         assert "sunny" in answer.text.lower()  # the tool's output reached the model
         assert answer.response["usage"]["input_tokens"] > first.response["usage"]["input_tokens"]
+
+
+async def test_the_responses_websocket_streams_through_the_upstream_pool(
+    servers: list[LlamaServer],
+) -> None:
+    async with gateway_on([s.url for s in servers]) as gw:
+        url = gw.ws_url.replace("/v1/realtime", "/v1/responses")
+        async with ResponsesClient.connect(url) as c:
+            first = await c.respond(input=QUESTION, max_output_tokens=16, temperature=0)
+            assert first.response["incomplete_details"] == {"reason": "max_output_tokens"}
+            assert first.text == first.output_text != ""
+            second = await c.respond(
+                input="And of Germany?", previous_response_id=first.id, max_output_tokens=8
+            )
+            assert second.text == second.output_text != ""
