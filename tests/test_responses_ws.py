@@ -4,17 +4,26 @@ validates every event against openai-python's types (tests/responses_harness.py)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import concurrent.futures
+import contextlib
+import json
+import random
+import threading
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from gateway import protocol as p
+from gateway import responses_protocol as rp
 from gateway.engines.sim import TOOL_ANSWER_PREFIX, SimEngine
 from sessions import responses as dialect
 from tests.harness import RunningGateway, running_gateway
-from tests.responses_harness import ResponsesClient
+from tests.responses_harness import TERMINAL, ResponsesClient
 
 WEATHER = {
     "type": "function",
@@ -365,3 +374,171 @@ async def test_the_responses_socket_keeps_the_realtime_handshake_rules() -> None
             assert (await c.respond(input="hi")).response["status"] == "completed"
         status, _ = await gw.get("/v1/responses")
         assert status in (405, 426)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=10,
+)
+_item = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(["message", "function_call", "function_call_output", "x"]),
+        "role": st.sampled_from(["user", "assistant", "system", "developer", "tool", 1]),
+        "content": _json | st.just([{"type": "input_text", "text": "hi"}]),
+        "call_id": _json,
+        "name": _json,
+        "arguments": _json,
+        "output": _json,
+    },
+)
+_body = st.fixed_dictionaries(
+    {},
+    optional={
+        "input": st.text(max_size=8) | st.lists(_item, max_size=3) | _json,
+        "model": _json,
+        "tools": _json,
+        "tool_choice": _json,
+        "stream_id": st.sampled_from(["a", "b", "", "bad id", None]) | _json,
+        "previous_response_id": _json,
+        "max_output_tokens": _json,
+        "temperature": _json,
+        "text": _json,
+        "generate": _json,
+        "metadata": _json,
+    },
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    event_type=st.sampled_from(["response.create", "response.cancel", "response.steer"]), body=_body
+)
+def test_random_events_decode_or_raise_protocol_error(
+    event_type: str, body: dict[str, Any]
+) -> None:
+    try:
+        rp.decode(json.dumps({**body, "type": event_type}))
+    except p.ProtocolError as error:
+        assert error.code and error.message and error.error_type == "invalid_request_error"
+
+
+@pytest.fixture(scope="module")
+def threaded_gateway() -> Iterator[str]:
+    """One gateway on its own loop and thread, so hypothesis examples can share it."""
+    loop = asyncio.new_event_loop()
+    started: concurrent.futures.Future[str] = concurrent.futures.Future()
+    stop = asyncio.Event()
+
+    async def serve() -> None:
+        async with running_gateway(SimEngine(step_ms=0, response_tokens=4)) as gw:
+            started.set_result(responses_url(gw))
+            await stop.wait()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    yield started.result(timeout=10)
+    loop.call_soon_threadsafe(stop.set)
+    thread.join(timeout=10)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    events=st.lists(
+        st.builds(
+            lambda t, b: {**b, "type": t},
+            st.sampled_from(["response.create", "response.cancel", "response.steer", "x"]),
+            _body,
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_random_events_never_break_the_connection(
+    threaded_gateway: str, events: list[dict[str, Any]]
+) -> None:
+    async def scenario() -> dict[str, Any]:
+        async with ResponsesClient.connect(threaded_gateway) as c:
+            for event in events:
+                await c.ws.send(json.dumps(event))
+            await c.create(input="probe", metadata={"probe": "1"}, stream_id="probe")
+            async with asyncio.timeout(10):
+                while True:
+                    event = await c.recv()
+                    if event["type"] in TERMINAL and event["response"]["metadata"]:
+                        return event
+
+    assert asyncio.run(scenario())["response"]["status"] == "completed"
+
+
+async def test_chaos_keeps_every_invariant() -> None:
+    """Random creates, cancels and steers over four lanes, then a close mid-stream: each
+    response started ends exactly once, nothing of it follows its end, its deltas join to
+    its final text, and the engine is left with nothing."""
+    rng = random.Random(7)
+    engine = SimEngine(step_ms=1, response_tokens=30)
+    async with running_gateway(engine) as gw:
+        async with ResponsesClient.connect(responses_url(gw)) as c:
+            live: list[str] = []
+            for _ in range(60):
+                action = rng.random()
+                lane = rng.choice(["a", "b", "c", None])
+                if action < 0.5:
+                    await c.create(input="go", stream_id=lane, max_output_tokens=rng.randint(1, 40))
+                elif action < 0.7 and live:
+                    await c.send({"type": "response.cancel", "response_id": rng.choice(live)})
+                elif action < 0.8 and live:
+                    await c.send(
+                        {
+                            "type": "response.steer",
+                            "previous_response_id": rng.choice(live),
+                            "input": "x",
+                        }
+                    )
+                with contextlib.suppress(TimeoutError):
+                    event = await c.recv(timeout=0.01)
+                    if event["type"] == "response.created":
+                        live.append(event["response"]["id"])
+            with contextlib.suppress(TimeoutError):
+                while True:
+                    await c.recv(timeout=0.3)
+        await gw.wait_idle()
+    check_invariants(c.events)
+
+
+def check_invariants(events: list[dict[str, Any]]) -> None:
+    numbers = [e["sequence_number"] for e in events]
+    assert numbers == list(range(len(numbers)))
+    open_by_lane: dict[str | None, dict[str, Any]] = {}
+    ended: set[str] = set()
+    for event in events:
+        lane, kind = event.get("stream_id"), event["type"]
+        if kind in ("error",) or kind.startswith("response.steer"):
+            continue
+        if kind == "response.created":
+            assert lane not in open_by_lane, "two responses at once on one lane"
+            open_by_lane[lane] = {"id": event["response"]["id"], "deltas": [], "done": []}
+            continue
+        current = open_by_lane.get(lane)
+        assert current is not None, f"{kind} outside a response on lane {lane}"
+        if kind == "response.output_text.delta":
+            current["deltas"].append(event["delta"])
+        elif kind == "response.output_text.done":
+            current["done"].append(event["text"])
+        elif kind in TERMINAL:
+            rid = event["response"]["id"]
+            assert rid == current["id"] and rid not in ended
+            ended.add(rid)
+            assert "".join(current["deltas"]) == "".join(current["done"])
+            texts = [
+                part["text"]
+                for item in event["response"]["output"]
+                if item["type"] == "message"
+                for part in item["content"]
+            ]
+            assert "".join(texts) == "".join(current["done"])
+            del open_by_lane[lane]
+    assert not open_by_lane, "a response that never ended"
