@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 MAX_HEAD_BYTES = 16 * 1024  # request line and headers; beyond, 431
 PIPELINE_BYTES = 64 * 1024  # read ahead while a request is handled; beyond, reading pauses
 LINGER_SECONDS = 1.0  # after an error answer, how long the client's leftovers are read
+CLOSE_SECONDS = 10.0  # a closing connection whose client reads nothing is dropped then
 TEXT = "text/plain; charset=utf-8"
 
 
@@ -215,6 +216,7 @@ class HttpConnection(asyncio.Protocol):
         self._host_added = False  # this request's head was parsed again with an empty Host
         self._timer: asyncio.TimerHandle | None = None
         self._request: h11.Request | None = None
+        self._headers = Headers()
         self._target: Target | None = None
         self._body = bytearray()
         self._read_ahead = 0
@@ -301,7 +303,9 @@ class HttpConnection(asyncio.Protocol):
             self._transport.write(data)
 
     async def drained(self) -> None:
-        if not self.paused or self._state == "closed":
+        # Woken by resume_writing or connection_lost (which a close is sure to reach:
+        # see _close).
+        if not self.paused:
             return
         waiter = self._loop.create_future()
         self._drain_waiters.append(waiter)
@@ -372,8 +376,7 @@ class HttpConnection(asyncio.Protocol):
             self._hand_off(bytes(raw))
             return
         target = self._service.routes.resolve(method, path, websocket=upgrade)
-        length = headers.get("Content-Length")
-        if length is not None and int(length) > target.body_limit:
+        if _declared_length(event) > target.body_limit:
             self._refuse(413, f"The body is larger than {target.body_limit} bytes.")
             return
         if self._h11.they_are_waiting_for_100_continue:
@@ -382,7 +385,8 @@ class HttpConnection(asyncio.Protocol):
                     h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
                 )
             )
-        self._request, self._target, self._body = event, target, bytearray()
+        self._request, self._target, self._headers = event, target, headers
+        self._body = bytearray()
         self._state = "body"
         self._arm(self._service.handshake_timeout)
 
@@ -405,7 +409,7 @@ class HttpConnection(asyncio.Protocol):
             method=method,
             path=path,
             query=urllib.parse.parse_qs(query, keep_blank_values=True),
-            headers=_headers(event),
+            headers=self._headers,
             body=bytes(self._body),
             params=target.params,
             http_version=event.http_version.decode("ascii"),
@@ -433,7 +437,7 @@ class HttpConnection(asyncio.Protocol):
             if not reply.started:
                 with contextlib.suppress(h11.LocalProtocolError):
                     reply.send_text(500, "The gateway failed to answer; its log says why.")
-            else:  # half a response went out: the client must see it cut short
+            elif not reply.ended:  # half a response went out: the client must see it cut short
                 self._close()
         finally:
             reply._over = True
@@ -504,10 +508,11 @@ class HttpConnection(asyncio.Protocol):
             self._close()
 
     def _close(self) -> None:
+        """Close once what was written has gone out; drop the connection if it cannot."""
         if self._state != "closed" and self._transport is not None:
             self._state = "closed"
-            self._cancel_timer()
             self._transport.close()
+            self._arm(CLOSE_SECONDS)
 
     # -- timers ------------------------------------------------------------------------
 
@@ -526,7 +531,7 @@ class HttpConnection(asyncio.Protocol):
             # A request may be on its way as this closes: clients retry a request sent
             # on a reused connection that closed before answering (RFC 9112, 9.3.1).
             self._close()
-        elif self._state in ("head", "body", "linger"):
+        else:  # a head or body that stopped coming, a linger or a close that is over
             self.abort()
 
     def _wake_drainers(self) -> None:
@@ -611,6 +616,13 @@ def _headers(event: h11.Request) -> Headers:
         # reversible (h11 has refused control characters already).
         headers[name.decode("ascii")] = value.decode("iso-8859-1")
     return headers
+
+
+def _declared_length(event: h11.Request) -> int:
+    """The Content-Length h11 frames the body by (none when it is chunked)."""
+    lengths = [int(v) for n, v in event.headers if n == b"content-length"]
+    chunked = any(n == b"transfer-encoding" for n, _ in event.headers)
+    return lengths[0] if lengths and not chunked else 0
 
 
 def _reason(status: int) -> bytes:
