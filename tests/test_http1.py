@@ -465,3 +465,18 @@ async def test_a_method_a_pattern_has_no_route_for_is_405_with_allow(gw: RouteGa
     status, headers, _ = await read_response(reader)
     assert (status, headers["allow"]) == (405, "GET, HEAD")
     writer.close()
+
+
+async def test_stop_ends_a_stream_that_outlives_the_grace() -> None:
+    async with serving(shutdown_grace=0.3) as gw:
+        reader, writer = await connect(gw)
+        writer.write(get("/test/wait"))
+        async with asyncio.timeout(10):
+            await reader.readuntil(b"data: first\n\n")
+        started = time.perf_counter()
+        await gw.stop()
+        assert time.perf_counter() - started < 2.0
+        assert gw.finished.is_set() and gw.saw_disconnect
+        async with asyncio.timeout(5):  # the first chunk's end, then the close: cut short
+            assert await reader.read() == b"\r\n"
+        writer.close()
