@@ -199,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="for a new connection's request",
     )
     limits.add_argument(
+        "--keepalive-timeout",
+        type=_number(float, 0.1),
+        default=5.0,
+        metavar="SECONDS",
+        help="for an idle HTTP connection",
+    )
+    limits.add_argument(
         "--max-handshakes",
         type=count,
         default=1024,
@@ -338,6 +345,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         client_secret_url=args.client_secret_url,
         handshake_timeout=args.handshake_timeout,
         max_handshakes=args.max_handshakes,
+        keepalive_timeout=args.keepalive_timeout,
         max_parallel_per_session=args.max_parallel_per_session,
         stall_timeout=args.stall_timeout,
         generation_timeout=args.generation_timeout,

@@ -19,6 +19,7 @@ class GatewayConfig:
     client_secret_url: str | None = None  # where the chat page gets a client secret
     handshake_timeout: float = 5.0  # seconds from TCP connect to a whole HTTP request
     max_handshakes: int = 1024  # connections still in their handshake; beyond, the oldest goes
+    keepalive_timeout: float = 5.0  # seconds an idle plain-HTTP keep-alive connection stays open
     max_parallel_per_session: int = 4
     stall_timeout: float = 30.0
     generation_timeout: float = 300.0  # seconds without progress before a response fails; 0: off

@@ -1,5 +1,10 @@
 """The network edge: one port for the Realtime WebSocket and a few HTTP routes.
 
+gateway/http1.py reads every request on the port (h11) and answers the routes of
+:meth:`Gateway._routes`; a WebSocket upgrade to one of ``WEBSOCKET_PATHS`` goes on to
+websockets, which calls :meth:`Gateway._process_request` (the handshake's checks) and
+then :meth:`Gateway._handle` with the open connection.
+
 Per connection two tasks run: this module's reader (frames -> decoded events
 -> the session's inbox) and the session actor (sessions/core.py, with its dialect), which may
 outlive the connection (a dropped one waits for ``session.resume``). The
@@ -21,19 +26,21 @@ import urllib.parse
 import weakref
 from collections.abc import Sequence, ValuesView
 from dataclasses import dataclass
+from typing import cast
 
-import orjson
 from websockets.asyncio.server import Server, ServerConnection, serve, unix_serve
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
-from gateway import auth, http, protocol, relay, responses_protocol
+from gateway import auth, protocol, relay, responses_protocol, static
 from gateway.config import GatewayConfig
 from gateway.engines.base import Engine, EngineError
-from gateway.handshake import HandshakeConnection, Pending, PlainRequest
+from gateway.handshake import Pending, refusal
+from gateway.http1 import HttpReply, HttpRequest, HttpService
 from gateway.metrics import Metrics
+from gateway.router import Router
 from gateway.scheduler import Scheduler
 from gateway.wire import (
     CLOSE_TIMEOUT,
@@ -50,8 +57,12 @@ from sessions.responses import ResponsesDialect, ResponsesFraming
 
 log = logging.getLogger(__name__)
 
-REALTIME_PATHS = ("/v1/realtime", "/v1/realtime/")
-RESPONSES_PATHS = ("/v1/responses", "/v1/responses/")
+# Where a GET with "Upgrade: websocket" becomes a WebSocket (each also with a trailing
+# slash); anywhere else it is answered 404. The handshake rules (_refuse_handshake) and
+# the session (_handle) are the same on every one; the path picks the dialect.
+REALTIME_PATH = "/v1/realtime"
+RESPONSES_PATH = "/v1/responses"
+WEBSOCKET_PATHS = (REALTIME_PATH, RESPONSES_PATH)
 # The Responses WebSocket's resume (docs/protocol.md, "Resuming"): the upgrade's response
 # names the session and its token; a new upgrade that sends them back, with the last
 # sequence_number the client processed, continues that session.
@@ -90,6 +101,7 @@ class Gateway:
         self._ended_traffic = (0, 0, 0)  # frames, delta frames, bytes of ended sessions
         self._replay_budget = ReplayBudget(config.replay_buffer_total_bytes)
         self._server: Server | None = None
+        self.http: HttpService | None = None
         self._stopping = False
         self._engine_task: asyncio.Task[None] | None = None
         self._stall_task: asyncio.Task[None] | None = None
@@ -121,6 +133,16 @@ class Gateway:
 
     async def start(self) -> None:
         """Listen at once; load the engine in the background (``/readyz`` says when)."""
+        self.http = HttpService(
+            self._routes(),
+            websocket_paths=WEBSOCKET_PATHS,
+            pending=self.pending,
+            handshake_timeout=self.config.handshake_timeout,
+            keepalive_timeout=self.config.keepalive_timeout,
+            logger=log,
+        )
+        # websockets keeps the listening socket; every connection starts as the HTTP
+        # service's (gateway/http1.py), which hands WebSocket upgrades back to websockets.
         self._server = await serve(
             self._handle,
             self.config.host,
@@ -132,7 +154,8 @@ class Gateway:
             compression=None,  # small JSON frames: deflate costs more CPU than it saves
             open_timeout=self.config.handshake_timeout,
             close_timeout=CLOSE_TIMEOUT,
-            create_connection=HandshakeConnection.bound(self.pending, self._plain_request),
+            # "a wrapper or a subclass" of ServerConnection, says serve(): a wrapper.
+            create_connection=cast(type[ServerConnection], self.http.connection_factory),
             reuse_port=self.config.reuse_port or None,
             # asyncio's default (100) overflows in a burst of connects: the kernel then
             # drops their handshakes' last ACK and each waits for a SYN-ACK resend (1 s+).
@@ -209,19 +232,25 @@ class Gateway:
         # A connection that has sent no request yet would hold wait_closed() until its
         # handshake timeout: nothing it could still ask for will be served.
         self.pending.close()
+        http = self.http
+        assert http is not None
+        http.close()  # idle keep-alive connections close; busy ones after their answer
         for session in list(self.sessions):
             session.close("server_shutdown", 1001, "server shutting down")
         grace = self.config.shutdown_grace
         try:
             async with asyncio.timeout(grace):
                 await server.wait_closed()
+                await http.wait_closed()
         except TimeoutError:
             log.warning("connections still open after %.1fs; aborting them", grace)
             for connection in list(server.connections):
                 connection.transport.abort()
+            http.abort()  # a streaming answer's handler is cancelled
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(grace):
                     await server.wait_closed()
+                    await http.wait_closed()
         # Detached sessions have no connection to wait for: wait for them to end.
         if self._session_tasks:
             await asyncio.wait(set(self._session_tasks), timeout=grace)
@@ -268,60 +297,127 @@ class Gateway:
         m.bytes_out.set(sent)
         return m.render()
 
+    def _routes(self) -> Router:
+        """Every plain HTTP route (gateway/router.py says how to add one)."""
+        router = Router(self._not_found)
+        router.add("GET", "/healthz", self._healthz)
+        router.add("GET", "/readyz", self._readyz)
+        router.add("GET", "/metrics", self._metrics)
+        router.add("GET", PAGE_CONFIG_PATH, self._page_config)
+        router.add("GET", "/", self._page)
+        router.add("GET", "/static/{name}", self._page)
+        for path in WEBSOCKET_PATHS:  # a GET that is no upgrade (an upgrade never gets here)
+            router.add("GET", path, self._websocket_only)
+            router.add("GET", path + "/", self._websocket_only)
+        for path in CLIENT_SECRETS_PATHS:
+            router.add("POST", path, self._mint_client_secret)
+            router.add("*", path, self._mint_with_post)
+        return router
+
+    async def _healthz(self, request: HttpRequest, reply: HttpReply) -> None:
+        reply.send_json(200, self.health())
+
+    async def _readyz(self, request: HttpRequest, reply: HttpReply) -> None:
+        ready = self.engine.ready
+        reply.send_json(200 if ready else 503, {"ready": ready})
+
+    async def _metrics(self, request: HttpRequest, reply: HttpReply) -> None:
+        reply.send(200, self._render_metrics(), "text/plain; version=0.0.4; charset=utf-8")
+
+    async def _page_config(self, request: HttpRequest, reply: HttpReply) -> None:
+        reply.send_json(200, {"client_secret_url": self.config.client_secret_url})
+
+    async def _page(self, request: HttpRequest, reply: HttpReply) -> None:
+        found = static.page(request.params.get("name", "index.html"))
+        if found is None:
+            await self._not_found(request, reply)
+            return
+        body, content_type = found
+        reply.send(200, body, content_type, static.PAGE_HEADERS)
+
+    async def _websocket_only(self, request: HttpRequest, reply: HttpReply) -> None:
+        name = "Realtime" if request.path.rstrip("/") == REALTIME_PATH else "Responses"
+        reply.send_text(
+            426,
+            f"This is the {name} WebSocket endpoint: connect with a WebSocket client.",
+            {"Upgrade": "websocket"},
+        )
+
+    async def _not_found(self, request: HttpRequest, reply: HttpReply) -> None:
+        if request.method in ("GET", "HEAD"):
+            reply.send_text(
+                404, f"Not found: {request.path}. The WebSocket is at {WEBSOCKET_PATHS[0]}."
+            )
+        else:
+            reply.send_text(405, f"{request.method} is not served here.", {"Allow": "GET, HEAD"})
+
+    async def _mint_with_post(self, request: HttpRequest, reply: HttpReply) -> None:
+        _api_error(reply, 405, "Mint a client secret with POST.", "method_not_allowed")
+
+    async def _mint_client_secret(self, request: HttpRequest, reply: HttpReply) -> None:
+        """``POST /v1/realtime/client_secrets``: the hosted Realtime API's shape."""
+        malformed = _malformed_credentials(request.headers)
+        if malformed is not None:
+            _api_error(reply, 400, malformed, "invalid_header")
+            return
+        origin = request.headers.get("Origin")
+        allowed = self.config.allowed_origins
+        if allowed and origin is not None and origin not in allowed:
+            _api_error(reply, 403, f"Origin {origin} is not allowed.", "origin_not_allowed")
+            return
+        offered = _bearer(request.headers)
+        api_key = self.credentials.is_api_key(offered)
+        if self.credentials.required and api_key is None:
+            message = (
+                "A client secret cannot mint client secrets: use an API key."
+                if offered.startswith(auth.SECRET_PREFIX)
+                else "Missing or wrong API key: send 'Authorization: Bearer KEY'."
+            )
+            _api_error(reply, 401, message, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+            return
+        try:
+            ttl = auth.parse_secret_request(request.body)
+        except auth.SecretRequestError as err:
+            _api_error(reply, 400, err.message, err.code, param=err.param)
+            return
+        secret = self.credentials.mint(api_key, ttl)
+        defaults = self._session_defaults
+        session = {
+            "object": "realtime.session",
+            "type": "realtime",
+            "model": defaults.model,
+            "instructions": defaults.instructions,
+            "output_modalities": ["text"],
+        }
+        reply.send_json(
+            200, {"value": secret.value, "expires_at": secret.expires_at, "session": session}
+        )
+
+    # -- the WebSocket handshake (websockets calls these for upgrades only) -------------
+
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         try:
-            return self._route(request)
+            refused = self._refuse_handshake(request.headers)
         except Exception:
             # Logged here: websockets would log it only at DEBUG (see __main__).
             log.exception("failed to answer GET %s", request.path)
-            return http.text_response(500, "The gateway failed to answer; its log says why.")
-
-    def _route(self, request: Request) -> Response | None:
-        path = request.path.partition("?")[0]
-        upgrade = any("websocket" in v.lower() for v in request.headers.get_all("Upgrade"))
-        if path in REALTIME_PATHS or path in RESPONSES_PATHS:
-            if not upgrade:
-                name = "Realtime" if path in REALTIME_PATHS else "Responses"
-                return http.text_response(
-                    426,
-                    f"This is the {name} WebSocket endpoint: connect with a WebSocket client.",
-                    {"Upgrade": "websocket"},
-                )
-            refusal = self._refuse_handshake(request.headers)
-            if refusal is None and path in RESPONSES_PATHS:
-                refusal = self._check_resume_headers(request)
-            if refusal is not None:
-                self.metrics.connections_refused.labels(status=str(refusal.status_code)).inc()
-            return refusal
-        if not upgrade:
-            if path == "/healthz":
-                return http.json_response(200, self.health())
-            if path == "/readyz":
-                ready = self.engine.ready
-                return http.json_response(200 if ready else 503, {"ready": ready})
-            if path == "/metrics":
-                return http.response(
-                    200, self._render_metrics(), "text/plain; version=0.0.4; charset=utf-8"
-                )
-            if path == PAGE_CONFIG_PATH:
-                return http.json_response(200, {"client_secret_url": self.config.client_secret_url})
-            if path in CLIENT_SECRETS_PATHS:
-                return _api_error(405, "Mint a client secret with POST.", "method_not_allowed")
-            page = http.static_response(path)
-            if page is not None:
-                return page
-        return http.text_response(404, f"Not found: {path}. The WebSocket is at /v1/realtime.")
+            return refusal(500, "The gateway failed to answer; its log says why.")
+        if refused is None and request.path.partition("?")[0].rstrip("/") == RESPONSES_PATH:
+            refused = self._check_resume_headers(request)
+        if refused is not None:
+            self.metrics.connections_refused.labels(status=str(refused.status_code)).inc()
+        return refused
 
     def _refuse_handshake(self, headers: Headers) -> Response | None:
         malformed = _malformed_credentials(headers)
         if malformed is not None:
-            return http.text_response(400, malformed)
+            return refusal(400, malformed)
         origin = headers.get("Origin")
         allowed = self.config.allowed_origins
         if allowed and origin is not None and origin not in allowed:
-            return http.text_response(403, f"Origin {origin} is not allowed.")
+            return refusal(403, f"Origin {origin} is not allowed.")
         if self.credentials.required and not self._authorized(headers):
-            return http.text_response(
+            return refusal(
                 401,
                 "Missing, wrong or expired credential: send 'Authorization: Bearer KEY' or the "
                 "subprotocol 'openai-insecure-api-key.KEY', where KEY is an API key or a "
@@ -330,9 +426,9 @@ class Gateway:
             )
         limit = self.config.max_sessions
         if limit is not None and len(self._wires) + len(self._detached) >= limit:
-            return http.text_response(503, f"Too many sessions (limit {limit}); retry later.")
+            return refusal(503, f"Too many sessions (limit {limit}); retry later.")
         if not self.engine.ready:
-            return http.text_response(
+            return refusal(
                 503, "The engine is not ready (loading, or no replica is up); retry shortly."
             )
         return None
@@ -362,9 +458,7 @@ class Gateway:
         code = self._resumable(asked)
         if isinstance(code, str):
             self.metrics.resumes.labels(outcome=code).inc()
-            return _api_error(
-                404 if code == "session_not_found" else 409, _RESUME_ERRORS[code], code
-            )
+            return refusal(404 if code == "session_not_found" else 409, _RESUME_ERRORS[code])
         return None
 
     def _resumable(self, asked: tuple[str, str, str]) -> str | tuple[Session, str, int]:
@@ -385,7 +479,10 @@ class Gateway:
     ) -> Response | None:
         """Name the session of a Responses upgrade in its answer: a fresh one, or the one
         the request resumes."""
-        if response.status_code != 101 or request.path.partition("?")[0] not in RESPONSES_PATHS:
+        if (
+            response.status_code != 101
+            or request.path.partition("?")[0].rstrip("/") != RESPONSES_PATH
+        ):
             return None
         asked = _resume_fields(request)
         found = self._resumable(asked) if asked is not None else None
@@ -397,58 +494,6 @@ class Gateway:
         response.headers[SESSION_HEADER] = upgrade.session_id
         response.headers[RESUME_TOKEN_HEADER] = upgrade.token
         return None
-
-    # -- plain HTTP: requests that are not a GET (gateway/handshake.py) -----------
-
-    def _plain_request(self, request: PlainRequest) -> Response:
-        path = request.path.partition("?")[0]
-        if request.method == "HEAD":  # what a GET would answer, without the body
-            headers = Headers(request.headers)
-            if "Upgrade" in headers:
-                del headers["Upgrade"]  # a HEAD never opens a WebSocket
-            get = self._route(Request(request.path, headers))
-            return get or http.text_response(404, "Not found.")
-        if path in CLIENT_SECRETS_PATHS:
-            if request.method != "POST":
-                return _api_error(405, "Mint a client secret with POST.", "method_not_allowed")
-            return self._mint_client_secret(request)
-        return http.text_response(
-            405, f"{request.method} is not served here.", {"Allow": "GET, HEAD"}
-        )
-
-    def _mint_client_secret(self, request: PlainRequest) -> Response:
-        """``POST /v1/realtime/client_secrets``: the hosted Realtime API's shape."""
-        malformed = _malformed_credentials(request.headers)
-        if malformed is not None:
-            return _api_error(400, malformed, "invalid_header")
-        origin = request.headers.get("Origin")
-        allowed = self.config.allowed_origins
-        if allowed and origin is not None and origin not in allowed:
-            return _api_error(403, f"Origin {origin} is not allowed.", "origin_not_allowed")
-        offered = _bearer(request.headers)
-        api_key = self.credentials.is_api_key(offered)
-        if self.credentials.required and api_key is None:
-            message = (
-                "A client secret cannot mint client secrets: use an API key."
-                if offered.startswith(auth.SECRET_PREFIX)
-                else "Missing or wrong API key: send 'Authorization: Bearer KEY'."
-            )
-            return _api_error(401, message, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
-        try:
-            ttl = auth.parse_secret_request(request.body)
-        except auth.SecretRequestError as err:
-            return _api_error(400, err.message, err.code, param=err.param)
-        secret = self.credentials.mint(api_key, ttl)
-        defaults = self._session_defaults
-        session = {
-            "object": "realtime.session",
-            "type": "realtime",
-            "model": defaults.model,
-            "instructions": defaults.instructions,
-            "output_modalities": ["text"],
-        }
-        body = {"value": secret.value, "expires_at": secret.expires_at, "session": session}
-        return http.json_response(200, body)
 
     # -- WebSocket ---------------------------------------------------------------
 
@@ -819,21 +864,23 @@ def _bearer(headers: Headers) -> str:
 
 
 def _api_error(
+    reply: HttpReply,
     status: int,
     message: str,
     code: str,
     extra: dict[str, str] | None = None,
     *,
     param: str | None = None,
-) -> Response:
+) -> None:
     """An error in the OpenAI REST API's shape, which the SDK turns into its exceptions."""
     error_type = "invalid_request_error" if status < 500 else "server_error"
     body = {"error": {"message": message, "type": error_type, "code": code, "param": param}}
-    return http.response(status, orjson.dumps(body), "application/json", extra)
+    reply.send_json(status, body, extra)
 
 
 def _select_subprotocol(
-    connection: ServerConnection, subprotocols: Sequence[Subprotocol]
+    connection: object,  # websockets passes the HttpConnection it was built with
+    subprotocols: Sequence[Subprotocol],
 ) -> Subprotocol | None:
     # Browsers offer "realtime" plus the key as a second subprotocol; never echo the key.
     return Subprotocol("realtime") if "realtime" in subprotocols else None

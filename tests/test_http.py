@@ -18,7 +18,7 @@ async def raw_http(gw: RunningGateway, request: bytes) -> bytes:
         writer.write(request)
         await writer.drain()
         async with asyncio.timeout(10):
-            return await reader.read()  # to EOF: these responses say Connection: close
+            return await reader.read()  # to EOF: these requests say Connection: close
     finally:
         writer.close()
 
@@ -37,7 +37,7 @@ async def test_healthz_names_the_model(gw: RunningGateway) -> None:
 
 @pytest.mark.parametrize("path", ROUTES)
 async def test_head_answers_like_get_without_the_body(gw: RunningGateway, path: str) -> None:
-    request = f"{{}} {path} HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    request = f"{{}} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
     get_status, get_headers, get_body = split(await raw_http(gw, request.format("GET").encode()))
     status, headers, body = split(await raw_http(gw, request.format("HEAD").encode()))
     assert status == get_status
@@ -50,7 +50,7 @@ async def test_head_answers_like_get_without_the_body(gw: RunningGateway, path: 
 async def test_head_is_never_a_websocket_handshake(gw: RunningGateway) -> None:
     request = (
         b"HEAD /v1/realtime HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\n"
-        b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        b"Connection: Upgrade, close\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
         b"Sec-WebSocket-Version: 13\r\n\r\n"
     )
     status, _, body = split(await raw_http(gw, request))
@@ -60,7 +60,7 @@ async def test_head_is_never_a_websocket_handshake(gw: RunningGateway) -> None:
 
 async def test_a_request_arriving_byte_by_byte_is_still_answered(gw: RunningGateway) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", gw.gateway.port)
-    for byte in b"HEAD /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n":
+    for byte in b"HEAD /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n":
         writer.write(bytes([byte]))
         await writer.drain()
     async with asyncio.timeout(10):
