@@ -40,6 +40,7 @@ from gateway.engines.base import Engine, EngineError
 from gateway.handshake import Pending, refusal
 from gateway.http1 import HttpReply, HttpRequest, HttpService
 from gateway.metrics import Metrics
+from gateway.responses_http import ResponsesHttp
 from gateway.router import Router
 from gateway.scheduler import Scheduler
 from gateway.wire import (
@@ -119,6 +120,7 @@ class Gateway:
         self._upgrades: weakref.WeakKeyDictionary[ServerConnection, _Upgrade] = (
             weakref.WeakKeyDictionary()
         )
+        self.responses_http = ResponsesHttp(self)
         self.started_at = time.time()
         # Set when the engine fails for good (Engine._fail); the CLI then stops and exits.
         self.engine_failed = asyncio.Event()
@@ -226,6 +228,7 @@ class Gateway:
             return
         self._stopping = True
         self.scheduler.drain()  # nothing new starts while the sessions wind down
+        self.responses_http.close()
         server.close(close_connections=False)
         if self._relay_server is not None:
             self._relay_server.close(close_connections=False)
@@ -312,6 +315,7 @@ class Gateway:
         for path in CLIENT_SECRETS_PATHS:
             router.add("POST", path, self._mint_client_secret)
             router.add("*", path, self._mint_with_post)
+        self.responses_http.register(router)
         return router
 
     async def _healthz(self, request: HttpRequest, reply: HttpReply) -> None:
@@ -604,14 +608,17 @@ class Gateway:
         framing: Framing,
         session_id: str | None = None,
         resume_token: str | None = None,
+        replay_bytes: int | None = None,
     ) -> Session:
         """A new session and the task that runs it, until it ends (which may be long after
         its first connection: see :meth:`_let_go`)."""
         c = self.config
+        if replay_bytes is None:
+            replay_bytes = c.replay_buffer_bytes if c.resume_window > 0 else 0
         outbox = Outbox(
             framing,
             coalesce=c.coalesce,
-            replay_bytes=c.replay_buffer_bytes if c.resume_window > 0 else 0,
+            replay_bytes=replay_bytes,
             replay_budget=self._replay_budget,
         )
         session = Session(
@@ -631,6 +638,37 @@ class Gateway:
         self._session_tasks.add(task)
         task.add_done_callback(self._session_tasks.discard)
         return session
+
+    def open_http_session(self, dialect: Dialect, framing: Framing, replay_bytes: int) -> Session:
+        """A session for one HTTP request's response (gateway/responses_http.py)."""
+        return self._open_session(dialect, framing, replay_bytes=replay_bytes)
+
+    def refuse_http(
+        self, headers: Headers, *, need_engine: bool = True
+    ) -> tuple[int, protocol.ProtocolError, dict[str, str] | None] | None:
+        """Why an API request over plain HTTP may not be served (the WebSocket handshake's
+        rules, as JSON errors): (status, error, headers), or None."""
+
+        def no(
+            status: int, code: str, message: str, extra: dict[str, str] | None = None
+        ) -> tuple[int, protocol.ProtocolError, dict[str, str] | None]:
+            kind = "invalid_request_error" if status < 500 else "server_error"
+            return status, protocol.ProtocolError(code, message, error_type=kind), extra
+
+        malformed = _malformed_credentials(headers)
+        if malformed is not None:
+            return no(400, "invalid_header", malformed)
+        origin = headers.get("Origin")
+        allowed = self.config.allowed_origins
+        if allowed and origin is not None and origin not in allowed:
+            return no(403, "origin_not_allowed", f"Origin {origin} is not allowed.")
+        if self.credentials.required and not self.credentials.admits(_bearer(headers)):
+            message = "Missing, wrong or expired key: send 'Authorization: Bearer KEY'."
+            return no(401, "invalid_api_key", message, {"WWW-Authenticate": "Bearer"})
+        if need_engine and (self._stopping or not self.engine.ready):
+            message = "The engine is not ready (loading, stopping, or no replica is up)."
+            return no(503, "engine_unavailable", message + " Retry shortly.", {"Retry-After": "1"})
+        return None
 
     async def _live(self, session: Session) -> None:
         try:

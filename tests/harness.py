@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import threading
 import urllib.request
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,3 +167,26 @@ class RawClient:
                     turn.deltas.append(event["delta"])
                 if event["type"] == "response.done":
                     return turn
+
+
+@contextmanager
+def gateway_on_a_thread(engine: Engine, **settings: Any) -> Iterator[RunningGateway]:
+    """A gateway on its own loop and thread, so synchronous code (hypothesis examples)
+    can share one."""
+    loop = asyncio.new_event_loop()
+    started: concurrent.futures.Future[RunningGateway] = concurrent.futures.Future()
+    stop = asyncio.Event()
+
+    async def serve() -> None:
+        async with running_gateway(engine, **settings) as gw:
+            started.set_result(gw)
+            await stop.wait()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    try:
+        yield started.result(timeout=10)
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout=10)
+        loop.close()

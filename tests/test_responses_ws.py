@@ -4,11 +4,9 @@ validates every event against openai-python's types (tests/responses_harness.py)
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import json
 import random
-import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -22,7 +20,7 @@ from gateway import protocol as p
 from gateway import responses_protocol as rp
 from gateway.engines.sim import TOOL_ANSWER_PREFIX, SimEngine
 from sessions import responses as dialect
-from tests.harness import RunningGateway, running_gateway
+from tests.harness import RunningGateway, gateway_on_a_thread, running_gateway
 from tests.responses_harness import TERMINAL, ResponsesClient
 
 WEATHER = {
@@ -428,21 +426,8 @@ def test_random_events_decode_or_raise_protocol_error(
 
 @pytest.fixture(scope="module")
 def threaded_gateway() -> Iterator[str]:
-    """One gateway on its own loop and thread, so hypothesis examples can share it."""
-    loop = asyncio.new_event_loop()
-    started: concurrent.futures.Future[str] = concurrent.futures.Future()
-    stop = asyncio.Event()
-
-    async def serve() -> None:
-        async with running_gateway(SimEngine(step_ms=0, response_tokens=4)) as gw:
-            started.set_result(responses_url(gw))
-            await stop.wait()
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
-    thread.start()
-    yield started.result(timeout=10)
-    loop.call_soon_threadsafe(stop.set)
-    thread.join(timeout=10)
+    with gateway_on_a_thread(SimEngine(step_ms=0, response_tokens=4)) as gw:
+        yield responses_url(gw)
 
 
 @settings(max_examples=100, deadline=None)

@@ -1,0 +1,399 @@
+"""The Responses API over HTTP: ``POST /v1/responses`` and the routes of a response.
+
+Every ``POST`` gets a session of its own (the session core with the Responses dialect,
+one response in it, events numbered from 0), so streaming, cancel, the replay buffer
+and the response store are the WebSocket's. Its outbox writes to an
+:class:`~gateway.sse.SseWire` (``stream: true``), or to nothing while the handler
+waits for the end (``stream: false``). A plain response lives as long as its request:
+a client that disconnects aborts it in the engine within a step. A background one
+(``background: true``) lives on without a connection; its session is kept
+``--background-retention`` seconds after the end, so ``GET ...?stream=true&
+starting_after=N`` replays what a dropped client missed, then goes on live.
+
+Who owns what: this module's registry (:class:`Background`) holds the live and retained
+background sessions by response id; each session's actor owns its response as on the
+WebSocket; the route handlers only deliver commands and attach wires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gateway import protocol as p
+from gateway import responses_protocol as rp
+from gateway.http1 import HttpReply, HttpRequest
+from gateway.router import Router
+from gateway.sse import SseWire
+from sessions.conversation import Item
+from sessions.core import Session
+from sessions.response_store import StoredResponse
+from sessions.responses import ResponsesDialect, ResponsesFraming
+
+if TYPE_CHECKING:
+    from gateway.server import Gateway
+
+log = logging.getLogger(__name__)
+
+SSE_HEADERS = (
+    ("Content-Type", "text/event-stream; charset=utf-8"),
+    ("Cache-Control", "no-cache"),
+    ("X-Accel-Buffering", "no"),  # nginx: pass each event on at once
+)
+BACKGROUND_REPLAY_BYTES = 4 << 20  # a background response's events, for starting_after
+
+
+class _Waiter:
+    """The HTTP side of one response (a :class:`~sessions.responses.ResponseObserver`)."""
+
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.start: asyncio.Future[p.JSON] = loop.create_future()
+        self.end: asyncio.Future[p.JSON] = loop.create_future()
+        self.body: p.JSON | None = None  # the latest Response object
+
+    def started(self, body: p.JSON) -> None:
+        self.body = body
+        if not self.start.done():
+            self.start.set_result(body)
+
+    def ended(self, body: p.JSON) -> None:
+        self.body = body
+        if not self.end.done():
+            self.end.set_result(body)
+
+    def refused(self, err: p.ProtocolError) -> None:
+        if not self.start.done():
+            self.start.set_exception(err)
+
+
+class _Live:
+    """A background response's session, while it runs and for the retention after."""
+
+    __slots__ = ("expiry", "session", "waiter")
+
+    def __init__(self, session: Session, waiter: _Waiter) -> None:
+        self.session = session
+        self.waiter = waiter
+        self.expiry: asyncio.TimerHandle | None = None
+
+
+class ResponsesHttp:
+    """The routes (see the module docstring); ``register`` puts them on a router."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.background: dict[str, _Live] = {}
+
+    def register(self, router: Router) -> None:
+        limit = self.gateway.config.max_message_bytes
+        router.add("POST", "/v1/responses", self.create, body_limit=limit)
+        router.add("GET", "/v1/responses/{id}", self.retrieve)
+        router.add("DELETE", "/v1/responses/{id}", self.delete)
+        router.add("POST", "/v1/responses/{id}/cancel", self.cancel)
+        router.add("GET", "/v1/responses/{id}/input_items", self.input_items)
+
+    def close(self) -> None:
+        """Shutdown: every retained session goes now (running ones end with the gateway)."""
+        for live in list(self.background.values()):
+            self._forget(live)
+
+    # -- POST /v1/responses ------------------------------------------------------------
+
+    async def create(self, request: HttpRequest, reply: HttpReply) -> None:
+        if self._refused(request, reply):
+            return
+        try:
+            body = self._read_body(request)
+        except p.ProtocolError as err:
+            _error(reply, err)
+            return
+        waiter = _Waiter()
+        session = self.gateway.open_http_session(
+            ResponsesDialect(self.gateway.response_store, waiter),
+            ResponsesFraming(),
+            BACKGROUND_REPLAY_BYTES if body.background else 0,
+        )
+        await session.deliver(rp.Create(body))
+        try:
+            started = await waiter.start
+        except p.ProtocolError as err:
+            session.close("disconnected")
+            _error(reply, err)
+            return
+        if body.background:
+            self._keep(started["id"], session, waiter)
+        if body.stream:
+            await self._stream(reply, session, -1, keep=body.background)
+        elif body.background:
+            reply.send_json(200, started)
+        else:
+            try:
+                reply.send_json(200, await waiter.end)
+            finally:
+                session.close("disconnected")  # a no-op once it has ended
+
+    def _read_body(self, request: HttpRequest) -> rp.CreateBody:
+        try:
+            obj = orjson.loads(request.body)
+        except orjson.JSONDecodeError as exc:
+            raise p.ProtocolError("invalid_json", f"The body is not valid JSON: {exc}.") from None
+        if not isinstance(obj, dict):
+            raise p.ProtocolError("invalid_value", "The body must be a JSON object.")
+        if "stream_id" in obj:
+            raise p.ProtocolError(
+                "unknown_parameter",
+                "'stream_id' names a lane of the Responses WebSocket; HTTP has none.",
+                param="stream_id",
+            )
+        body = rp.read_create(obj)
+        if body.background and not body.store:
+            raise p.ProtocolError(
+                "invalid_value",
+                "A background response must be stored: drop 'store: false'.",
+                param="store",
+            )
+        wanted = body.previous_response_id
+        if wanted is not None and self._find(wanted) is None:
+            raise p.ProtocolError(
+                "previous_response_not_found",
+                f"Previous response with id '{wanted}' not found.",
+                param="previous_response_id",
+            )
+        return body
+
+    async def _stream(self, reply: HttpReply, session: Session, after: int, *, keep: bool) -> None:
+        """SSE of ``session``'s events after number ``after``, until its terminal event
+        (or the client goes: a plain response is then cancelled, a background one not)."""
+        code = session.can_resume(session.resume_token, after)
+        if code is not None:
+            _error(
+                reply,
+                p.ProtocolError(
+                    code,
+                    "Those events are no longer kept: retrieve the response without stream.",
+                    param="starting_after",
+                ),
+            )
+            return
+        # The head goes first: attaching the wire writes what is pending at once.
+        reply.start(200, SSE_HEADERS)
+        wire = SseWire(reply)
+        session.resume(session.resume_token, after, wire, rotate=False)
+        try:
+            await wire.over.wait()
+            reply.end()
+        finally:
+            session.outbox.detach(wire)
+            if not keep:
+                # Ends it in the engine within a step if it still runs (client gone).
+                session.close("disconnected")
+
+    # -- the routes of one response ------------------------------------------------------
+
+    async def retrieve(self, request: HttpRequest, reply: HttpReply) -> None:
+        if self._refused(request, reply, engine=False):
+            return
+        response_id = request.params["id"]
+        live = self.background.get(response_id)
+        if request.arg("stream") == "true":
+            if live is None:
+                _not_found(reply, response_id, stream=True)
+                return
+            after = request.arg("starting_after", "-1") or "-1"
+            if not after.lstrip("-").isdigit() or int(after) < -1:
+                _error(
+                    reply,
+                    p.ProtocolError(
+                        "invalid_value",
+                        "'starting_after' must be an integer.",
+                        param="starting_after",
+                    ),
+                )
+                return
+            await self._stream(reply, live.session, int(after), keep=True)
+            return
+        body = live.waiter.body if live is not None else None
+        stored = self._find(response_id)
+        if body is None and stored is not None:
+            body = stored.body
+        if body is None:
+            _not_found(reply, response_id)
+            return
+        reply.send_json(200, body)
+
+    async def cancel(self, request: HttpRequest, reply: HttpReply) -> None:
+        if self._refused(request, reply, engine=False):
+            return
+        response_id = request.params["id"]
+        live = self.background.get(response_id)
+        if live is None:
+            stored = self._find(response_id)
+            if stored is None:
+                _not_found(reply, response_id)
+            elif not stored.body.get("background"):
+                _error(
+                    reply,
+                    p.ProtocolError("invalid_value", "Only background responses can be cancelled."),
+                )
+            else:
+                reply.send_json(200, stored.body)  # over already: as it ended
+            return
+        if not live.waiter.end.done():
+            await live.session.deliver(rp.Cancel(response_id))
+        reply.send_json(200, await asyncio.shield(live.waiter.end))
+
+    async def delete(self, request: HttpRequest, reply: HttpReply) -> None:
+        if self._refused(request, reply, engine=False):
+            return
+        response_id = request.params["id"]
+        live = self.background.pop(response_id, None)
+        if live is not None:
+            self._forget(live)
+        store = self.gateway.response_store
+        if not store.delete(response_id) and live is None:
+            _not_found(reply, response_id)
+            return
+        reply.send_json(200, {"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def input_items(self, request: HttpRequest, reply: HttpReply) -> None:
+        if self._refused(request, reply, engine=False):
+            return
+        response_id = request.params["id"]
+        stored = self._find(response_id)
+        if stored is None:
+            _not_found(reply, response_id)
+            return
+        items = [_item_json(i) for i in stored.input_items]
+        order = request.arg("order", "desc")
+        if order not in ("asc", "desc"):
+            _error(
+                reply, p.ProtocolError("invalid_value", "'order' is asc or desc.", param="order")
+            )
+            return
+        if order == "desc":
+            items.reverse()
+        after = request.arg("after")
+        if after is not None:
+            ids = [i["id"] for i in items]
+            items = items[ids.index(after) + 1 :] if after in ids else []
+        limit_text = request.arg("limit", "20") or "20"
+        limit = int(limit_text) if limit_text.isdigit() else 0
+        if not 1 <= limit <= 100:
+            _error(reply, p.ProtocolError("invalid_value", "'limit' is 1 to 100.", param="limit"))
+            return
+        page = items[:limit]
+        reply.send_json(
+            200,
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(items) > limit,
+            },
+        )
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _refused(self, request: HttpRequest, reply: HttpReply, *, engine: bool = True) -> bool:
+        """Answer (and True) if the request may not be served: credentials, Origin, load."""
+        refusal = self.gateway.refuse_http(request.headers, need_engine=engine)
+        if refusal is None:
+            return False
+        status, err, headers = refusal
+        reply.send_json(status, _error_body(err), headers)
+        return True
+
+    def _find(self, response_id: str) -> StoredResponse | None:
+        """A finished response: the store's, or a retained background one's."""
+        stored = self.gateway.response_store.get(response_id)
+        if stored is not None:
+            return stored
+        live = self.background.get(response_id)
+        dialect = live.session.dialect if live is not None else None
+        if isinstance(dialect, ResponsesDialect):
+            return dialect.latest
+        return None
+
+    def _keep(self, response_id: str, session: Session, waiter: _Waiter) -> None:
+        live = _Live(session, waiter)
+        self.background[response_id] = live
+        retention = self.gateway.config.background_retention
+
+        def retain(_: object) -> None:
+            live.expiry = asyncio.get_running_loop().call_later(
+                retention, self._expire, response_id
+            )
+
+        waiter.end.add_done_callback(retain)
+
+    def _expire(self, response_id: str) -> None:
+        live = self.background.pop(response_id, None)
+        if live is not None:
+            self._forget(live)
+
+    def _forget(self, live: _Live) -> None:
+        if live.expiry is not None:
+            live.expiry.cancel()
+        live.session.close("disconnected")
+        for response_id, other in list(self.background.items()):
+            if other is live:
+                del self.background[response_id]
+
+
+def _error_body(err: p.ProtocolError) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": err.message,
+            "type": err.error_type,
+            "param": err.param,
+            "code": err.code,
+        }
+    }
+
+
+def _error(reply: HttpReply, err: p.ProtocolError) -> None:
+    status = rp.http_status(err)
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    reply.send_json(status, _error_body(err), headers)
+
+
+def _not_found(reply: HttpReply, response_id: str, *, stream: bool = False) -> None:
+    message = (
+        f"No background response '{response_id}' is kept to stream (unknown, not background, "
+        "or past --background-retention); retrieve it without stream."
+        if stream
+        else f"Response with id '{response_id}' not found."
+    )
+    reply.send_json(404, _error_body(p.ProtocolError("response_not_found", message)))
+
+
+def _item_json(item: Item) -> p.JSON:
+    """An input item as ``GET .../input_items`` lists it (openai-python's ResponseItem)."""
+    if item.kind == "function_call":
+        return rp.function_call_json(
+            item.id, item.call_id or "", item.name or "", item.text, "completed"
+        )
+    if item.kind == "function_call_output":
+        return {
+            "id": item.id,
+            "type": "function_call_output",
+            "call_id": item.call_id,
+            "output": item.text,
+            "status": "completed",
+        }
+    part = "output_text" if item.role == "assistant" else "input_text"
+    content: dict[str, Any] = {"type": part, "text": item.text}
+    if part == "output_text":
+        content["annotations"] = []
+    return {
+        "id": item.id,
+        "type": "message",
+        "role": item.role,
+        "status": "completed",
+        "content": [content],
+    }
