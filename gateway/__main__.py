@@ -252,21 +252,28 @@ def build_parser() -> argparse.ArgumentParser:
         type=_number(int, 0),
         default=64 << 20,
         metavar="N",
-        help="stored Responses responses (store: true), in all (default: 64 MiB)",
+        help="stored responses, in all (default: 64 MiB)",
     )
     limits.add_argument(
         "--response-store-ttl",
         type=_number(float, 0),
         default=3600.0,
         metavar="SECONDS",
-        help="how long a stored response can be continued",
+        help="how long stored responses live",
+    )
+    limits.add_argument(
+        "--background-retention",
+        type=_number(float, 0),
+        default=600.0,
+        metavar="SECONDS",
+        help="keep ended background answers",
     )
     limits.add_argument(
         "--responses-max-age",
         type=_number(float, 0),
         default=3600.0,
         metavar="SECONDS",
-        help="close a Responses WebSocket after (60 minutes, OpenAI's); 0: never",
+        help="Responses socket lifetime; 0: none",
     )
     limits.add_argument(
         "--stall-timeout",
@@ -355,6 +362,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         response_store_bytes=args.response_store_bytes,
         response_store_ttl=args.response_store_ttl,
         responses_max_age=args.responses_max_age,
+        background_retention=args.background_retention,
         coalesce=not args.no_coalesce,
         instructions=args.instructions,
         worker=str(args.worker_index or 0),

@@ -8,6 +8,7 @@ would, on a free port), so the blocks run as printed, against a real gateway pro
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -74,3 +75,33 @@ def test_block_runs_as_a_file(line: int, code: str, address: str, tmp_path: Path
     if "stream.cancel()" in code:
         # The cancel it shows happens, and the answer says so.
         assert "\ncancelled " in done.stdout, done.stdout
+
+
+def curl_blocks() -> list[tuple[int, str]]:
+    """(line number, command) of each ```sh block that is a curl command."""
+    text = README.read_text(encoding="utf-8")
+    return [
+        (text.count("\n", 0, m.start()) + 2, m.group(1))
+        for m in re.finditer(r"^```sh\n(curl .*?)^```$", text, re.DOTALL | re.MULTILINE)
+    ]
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+@pytest.mark.parametrize(
+    ("line", "command"), curl_blocks(), ids=[f"README.md:{n}" for n, _ in curl_blocks()]
+)
+def test_curl_block_streams_a_whole_answer(line: int, command: str, address: str) -> None:
+    assert ADDRESS in command
+    done = subprocess.run(
+        ["bash", "-c", command.replace(ADDRESS, address)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert done.returncode == 0, f"README.md:{line} failed:\n{done.stderr}"
+    assert "event: response.output_text.delta" in done.stdout
+    assert "event: response.completed" in done.stdout or "event: response.incomplete" in done.stdout
+
+
+def test_readme_has_a_curl_block() -> None:
+    assert curl_blocks()
