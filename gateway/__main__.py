@@ -259,21 +259,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=_number(float, 0),
         default=3600.0,
         metavar="SECONDS",
-        help="how long stored responses live",
+        help="stored responses' lifetime",
     )
     limits.add_argument(
         "--background-retention",
         type=_number(float, 0),
         default=600.0,
-        metavar="SECONDS",
+        metavar="N",
         help="keep ended background answers",
     )
     limits.add_argument(
         "--responses-max-age",
         type=_number(float, 0),
         default=3600.0,
-        metavar="SECONDS",
-        help="Responses socket lifetime; 0: none",
+        metavar="N",
+        help="Responses WS age; 0: none",
     )
     limits.add_argument(
         "--stall-timeout",
