@@ -107,6 +107,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{PROG}: {message} (--help lists every flag)\n")
 
 
+SESSION_STORE_ENV_VAR = "LLM_GATEWAY_SESSION_STORE"
+"""The default for ``--session-store`` where set (so that a password need not be on the
+command line)."""
+
+
+def session_store_url(text: str) -> str:
+    """``--session-store``: ``memory`` or a ``redis://``/``rediss://`` URL."""
+    text = text.strip()
+    if text == "memory" or text.startswith(("redis://", "rediss://", "unix://")):
+        return text
+    raise argparse.ArgumentTypeError("use memory, or redis://HOST:PORT/DB (rediss:// for TLS)")
+
+
 def node_name(text: str) -> str:
     """``--node``: letters, digits and ``-``, so that session ids stay parseable."""
     if not re.fullmatch(r"[A-Za-z0-9-]{1,32}", text):
@@ -248,6 +261,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="kept for all sessions (default: 256 MiB)",
     )
     limits.add_argument(
+        "--session-store",
+        default=os.environ.get(SESSION_STORE_ENV_VAR, "memory"),
+        metavar="URL",
+        type=session_store_url,
+        help="memory (default) or redis://HOST:PORT/DB",
+    )
+    limits.add_argument(
+        "--drain-timeout",
+        type=_number(float, 0),
+        default=30.0,
+        metavar="N",
+        help="SIGTERM grace, with a store",
+    )
+    limits.add_argument(
         "--response-store-bytes",
         type=_number(int, 0),
         default=64 << 20,
@@ -363,6 +390,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         response_store_ttl=args.response_store_ttl,
         responses_max_age=args.responses_max_age,
         background_retention=args.background_retention,
+        session_store=args.session_store,
+        drain_timeout=args.drain_timeout,
         coalesce=not args.no_coalesce,
         instructions=args.instructions,
         worker=str(args.worker_index or 0),
@@ -433,7 +462,7 @@ async def _serve(gateway: Gateway, stop: asyncio.Event) -> None:
     stopping.cancel()
     failed.cancel()
     log.info("shutting down")
-    await gateway.stop()
+    await gateway.shutdown()
     if gateway.engine.failure is not None:
         # A fatal engine error: exit non-zero so that a supervisor starts a fresh gateway
         # (trtllm-serve does the same); the live answers have already failed.

@@ -33,6 +33,8 @@ class GatewayConfig:
     node: str | None = None  # this host's name in session ids, for a load balancer's routing
     worker_dir: str | None = None  # with --workers: where the workers' relay sockets are
     reuse_port: bool = False
+    session_store: str = "memory"  # or redis://HOST:PORT/DB (gateway/session_store.py)
+    drain_timeout: float = 30.0  # with a store: seconds answers may finish at SIGTERM
     response_store_bytes: int = 64 << 20  # stored Responses responses (store: true), in all
     response_store_ttl: float = 3600.0  # seconds a stored response can be continued
     background_retention: float = 600.0  # seconds a background response's events are kept

@@ -235,6 +235,27 @@ class Metrics:
         self.errors = self._counter(
             "gateway_error_events_total", "Error events sent, by code.", ["code"]
         )
+        self.store_up = self._gauge(
+            "gateway_session_store_up",
+            "1 while the Redis session store answers; 0 while the gateway is memory-only.",
+        )
+        self.store_errors = self._counter(
+            "gateway_session_store_errors_total", "Session store writes that failed (retried)."
+        )
+        self.store_dropped = self._counter(
+            "gateway_session_store_dropped_total",
+            "Session logs dropped from the write buffer while the store was away.",
+        )
+        self.store_flush_seconds = self._histogram(
+            "gateway_session_store_flush_seconds",
+            "One pipelined write of a loop turn's frames and state to the store.",
+            _GAP_BUCKETS,
+        )
+        self.takeovers = self._counter(
+            "gateway_session_takeovers_total",
+            "Sessions taken over from a process that was gone, by outcome.",
+            ["outcome"],
+        )
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self._all))
 

@@ -107,7 +107,7 @@ class ResponsesHttp:
         if self._refused(request, reply):
             return
         try:
-            body = self._read_body(request)
+            body = await self._read_body(request)
         except p.ProtocolError as err:
             _error(reply, err)
             return
@@ -136,7 +136,7 @@ class ResponsesHttp:
             finally:
                 session.close("disconnected")  # a no-op once it has ended
 
-    def _read_body(self, request: HttpRequest) -> rp.CreateBody:
+    async def _read_body(self, request: HttpRequest) -> rp.CreateBody:
         try:
             obj = orjson.loads(request.body)
         except orjson.JSONDecodeError as exc:
@@ -157,7 +157,7 @@ class ResponsesHttp:
                 param="store",
             )
         wanted = body.previous_response_id
-        if wanted is not None and self._find(wanted) is None:
+        if wanted is not None and await self._find(wanted) is None:
             raise p.ProtocolError(
                 "previous_response_not_found",
                 f"Previous response with id '{wanted}' not found.",
@@ -217,7 +217,7 @@ class ResponsesHttp:
             await self._stream(reply, live.session, int(after), keep=True)
             return
         body = live.waiter.body if live is not None else None
-        stored = self._find(response_id)
+        stored = await self._find(response_id)
         if body is None and stored is not None:
             body = stored.body
         if body is None:
@@ -231,7 +231,7 @@ class ResponsesHttp:
         response_id = request.params["id"]
         live = self.background.get(response_id)
         if live is None:
-            stored = self._find(response_id)
+            stored = await self._find(response_id)
             if stored is None:
                 _not_found(reply, response_id)
             elif not stored.body.get("background"):
@@ -254,7 +254,7 @@ class ResponsesHttp:
         if live is not None:
             self._forget(live)
         store = self.gateway.response_store
-        if not store.delete(response_id) and live is None:
+        if not store.delete(response_id, notify=True) and live is None:
             _not_found(reply, response_id)
             return
         reply.send_json(200, {"id": response_id, "object": "response.deleted", "deleted": True})
@@ -263,7 +263,7 @@ class ResponsesHttp:
         if self._refused(request, reply, engine=False):
             return
         response_id = request.params["id"]
-        stored = self._find(response_id)
+        stored = await self._find(response_id)
         if stored is None:
             _not_found(reply, response_id)
             return
@@ -308,11 +308,17 @@ class ResponsesHttp:
         reply.send_json(status, _error_body(err), headers)
         return True
 
-    def _find(self, response_id: str) -> StoredResponse | None:
-        """A finished response: the store's, or a retained background one's."""
+    async def _find(self, response_id: str) -> StoredResponse | None:
+        """A finished response: the store's (this process's, else the session store's),
+        or a retained background one's."""
         stored = self.gateway.response_store.get(response_id)
         if stored is not None:
             return stored
+        persistence = self.gateway.persistence
+        if persistence is not None:
+            stored = await persistence.fetch_response(response_id)
+            if stored is not None:
+                return stored
         live = self.background.get(response_id)
         dialect = live.session.dialect if live is not None else None
         if isinstance(dialect, ResponsesDialect):

@@ -34,25 +34,30 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
-from gateway import auth, protocol, relay, responses_protocol, static
+from gateway import auth, protocol, relay, responses_protocol, static, store_relay
 from gateway.config import GatewayConfig
 from gateway.engines.base import Engine, EngineError
 from gateway.handshake import Pending, refusal
 from gateway.http1 import HttpReply, HttpRequest, HttpService
 from gateway.metrics import Metrics
+from gateway.persistence import Persistence, process_id
 from gateway.responses_http import ResponsesHttp
 from gateway.router import Router
 from gateway.scheduler import Scheduler
+from gateway.session_store import RedisStore
+from gateway.store_relay import Inbound
 from gateway.wire import (
     CLOSE_TIMEOUT,
+    NullWire,
     SocketWire,
     cap_kernel_send_buffer,
     close_socket,
     forget_handshake,
 )
+from sessions import snapshot
 from sessions.core import Dialect, Session, SessionConfig, SessionLimits
 from sessions.outbox import Framing, Outbox, ReplayBudget
-from sessions.realtime import RealtimeDialect, RealtimeFraming
+from sessions.realtime import RealtimeDialect, RealtimeFraming, resumed_event
 from sessions.response_store import ResponseStore
 from sessions.responses import ResponsesDialect, ResponsesFraming
 
@@ -121,6 +126,19 @@ class Gateway:
             weakref.WeakKeyDictionary()
         )
         self.responses_http = ResponsesHttp(self)
+        self.store: RedisStore | None = None
+        self.persistence: Persistence | None = None
+        if config.session_store != "memory":
+            self.store = RedisStore(
+                config.session_store,
+                process_id(config.node),
+                resume_window=config.resume_window,
+                metrics=self.metrics,
+            )
+            self.persistence = Persistence(self, self.store)
+        self._inbound: Inbound | None = None  # frames relays forward to our sessions
+        self._draining = False  # SIGTERM with a store: no new work, answers finish
+        self._handed_over = False  # the drain gave every session back to the store
         self.started_at = time.time()
         # Set when the engine fails for good (Engine._fail); the CLI then stops and exits.
         self.engine_failed = asyncio.Event()
@@ -173,6 +191,10 @@ class Gateway:
                 compression=None,
                 close_timeout=CLOSE_TIMEOUT,
             )
+        if self.store is not None:
+            await self.store.start()
+            self._inbound = Inbound(self.store, self._sessions_by_id.get, self.config.resume_window)
+            self._inbound.start()
         loop = asyncio.get_running_loop()
         self._engine_task = loop.create_task(self._start_engine())
         self._stall_task = loop.create_task(self._watch_stalls(), name="stall-watch")
@@ -220,6 +242,37 @@ class Gateway:
         assert self._server is not None
         port: int = next(iter(self._server.sockets)).getsockname()[1]
         return port
+
+    async def shutdown(self) -> None:
+        """SIGTERM: with a store, :meth:`drain` first; then :meth:`stop`."""
+        if self.persistence is not None:
+            await self.drain(self.config.drain_timeout)
+        await self.stop()
+
+    async def drain(self, seconds: float) -> None:
+        """Take no new work (``/readyz`` 503, upgrades and requests refused), let the
+        answers in flight go on for up to ``seconds`` while their clients read,
+        then hand every session to the store and close its socket with 1012 (service
+        restart): the client resumes on another process, which takes the session over
+        (and continues an answer still in flight)."""
+        self._draining = True
+        log.info("draining: %d answers in flight, up to %.0fs", self.scheduler.running, seconds)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                # Polled: a few checks a second for a state no event marks.
+                while self.scheduler.running or self.scheduler.queued:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+        persistence, store = self.persistence, self.store
+        if persistence is None or store is None:
+            return
+        sessions = list(self.sessions)
+        persistence.hand_over(sessions)
+        self._handed_over = True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5):
+                await store.flush()
+        for session in sessions:
+            session.outbox.close(1012, "service restart: resume on another gateway")
 
     async def stop(self) -> None:
         """Stop accepting, end every response with ``response.done``, close with 1001."""
@@ -270,6 +323,10 @@ class Gateway:
             if self._engine_task is not None:
                 await self._engine_task
         await self.engine.close()
+        if self._inbound is not None:
+            await self._inbound.close()
+        if self.store is not None:
+            await self.store.close()
         self._server = None
 
     # -- HTTP ------------------------------------------------------------------
@@ -283,6 +340,7 @@ class Gateway:
             "worker": self.config.worker,
             "sessions": len(self.sessions),
             "responses": {"running": self.scheduler.running, "queued": self.scheduler.queued},
+            "store": self.store.describe() if self.store is not None else {"kind": "memory"},
         }
 
     def _render_metrics(self) -> bytes:
@@ -322,7 +380,7 @@ class Gateway:
         reply.send_json(200, self.health())
 
     async def _readyz(self, request: HttpRequest, reply: HttpReply) -> None:
-        ready = self.engine.ready
+        ready = self.engine.ready and not self._draining
         reply.send_json(200 if ready else 503, {"ready": ready})
 
     async def _metrics(self, request: HttpRequest, reply: HttpReply) -> None:
@@ -431,6 +489,8 @@ class Gateway:
         limit = self.config.max_sessions
         if limit is not None and len(self._wires) + len(self._detached) >= limit:
             return refusal(503, f"Too many sessions (limit {limit}); retry later.")
+        if self._draining:
+            return refusal(503, "This gateway is draining for a restart; connect to another.")
         if not self.engine.ready:
             return refusal(
                 503, "The engine is not ready (loading, or no replica is up); retry shortly."
@@ -460,7 +520,7 @@ class Gateway:
         if asked is None:
             return None
         code = self._resumable(asked)
-        if isinstance(code, str):
+        if isinstance(code, str) and code != "in_store":
             self.metrics.resumes.labels(outcome=code).inc()
             return refusal(404 if code == "session_not_found" else 409, _RESUME_ERRORS[code])
         return None
@@ -469,12 +529,14 @@ class Gateway:
         """The session a resume names, its token and last number; else why not."""
         session_id, token, last = asked
         session = self._sessions_by_id.get(session_id)
-        if session is None or self.config.resume_window <= 0:
-            return "session_not_found"
-        if not isinstance(session.dialect, ResponsesDialect):
+        if self.config.resume_window <= 0:
             return "session_not_found"
         if not re.fullmatch(r"-1|\d{1,15}", last):
             return "resume_gap"
+        if session is None and self.persistence is not None:
+            return "in_store"  # decided once the socket is open (it takes Redis)
+        if session is None or not isinstance(session.dialect, ResponsesDialect):
+            return "session_not_found"
         code = session.can_resume(token, int(last))
         return code if code is not None else (session, token, int(last))
 
@@ -492,6 +554,8 @@ class Gateway:
         found = self._resumable(asked) if asked is not None else None
         if isinstance(found, tuple):
             upgrade = _Upgrade(found[0].id, found[1], found[0], found[2])
+        elif found == "in_store" and asked is not None:
+            upgrade = _Upgrade(asked[0], asked[1], None, int(asked[2]), in_store=True)
         else:
             upgrade = _Upgrade(self._new_session_id(), secrets.token_urlsafe(24))
         self._upgrades[connection] = upgrade
@@ -514,12 +578,22 @@ class Gateway:
         cap_kernel_send_buffer(ws)
         upgrade = self._upgrades.pop(ws, None)
         forget_handshake(ws)
-        wire = SocketWire(ws)
+        wire = SocketWire(ws, self.store)
         self._wires.add(wire)
         session: Session | None
         if upgrade is None:
             session = self._open_session(RealtimeDialect(), RealtimeFraming())
             session.outbox.attach(wire)
+        elif upgrade.in_store:
+            found = await self._from_store(
+                upgrade.session_id, upgrade.token, upgrade.last_sequence_number, ws, wire, None
+            )
+            if not isinstance(found, Session):
+                self._wires.discard(wire)
+                if found is not None:
+                    await close_socket(ws, 4004, found)
+                return
+            session = found
         else:
             session = self._responses_session(upgrade, wire)
             if session is None:
@@ -572,7 +646,7 @@ class Gateway:
         if self._stopping:
             await close_socket(ws, 1001, "server shutting down")
             return
-        wire = SocketWire(ws)
+        wire = SocketWire(ws, self.store)
         self._wires.add(wire)
         session: Session | None = None
         try:
@@ -612,15 +686,7 @@ class Gateway:
     ) -> Session:
         """A new session and the task that runs it, until it ends (which may be long after
         its first connection: see :meth:`_let_go`)."""
-        c = self.config
-        if replay_bytes is None:
-            replay_bytes = c.replay_buffer_bytes if c.resume_window > 0 else 0
-        outbox = Outbox(
-            framing,
-            coalesce=c.coalesce,
-            replay_bytes=replay_bytes,
-            replay_budget=self._replay_budget,
-        )
+        outbox = self.new_outbox(framing, replay_bytes)
         session = Session(
             self.scheduler,
             outbox,
@@ -631,13 +697,34 @@ class Gateway:
             session_id=session_id or self._new_session_id(),
             resume_token=resume_token,
         )
+        self.register(session)
+        return session
+
+    @property
+    def session_limits(self) -> SessionLimits:
+        return self._limits
+
+    def new_outbox(self, framing: Framing, replay_bytes: int | None = None) -> Outbox:
+        c = self.config
+        if replay_bytes is None:
+            replay_bytes = c.replay_buffer_bytes if c.resume_window > 0 else 0
+        return Outbox(
+            framing,
+            coalesce=c.coalesce,
+            replay_bytes=replay_bytes,
+            replay_budget=self._replay_budget,
+        )
+
+    def register(self, session: Session) -> None:
+        """``session`` is this process's from now on: counted, run, saved (with a store)."""
         self._sessions_by_id[session.id] = session
         self.metrics.sessions.inc()
         self.metrics.sessions_total.inc()
+        if self.persistence is not None:
+            self.persistence.adopt(session)
         task = asyncio.get_running_loop().create_task(self._live(session), name=session.id)
         self._session_tasks.add(task)
         task.add_done_callback(self._session_tasks.discard)
-        return session
 
     def open_http_session(self, dialect: Dialect, framing: Framing, replay_bytes: int) -> Session:
         """A session for one HTTP request's response (gateway/responses_http.py)."""
@@ -665,7 +752,7 @@ class Gateway:
         if self.credentials.required and not self.credentials.admits(_bearer(headers)):
             message = "Missing, wrong or expired key: send 'Authorization: Bearer KEY'."
             return no(401, "invalid_api_key", message, {"WWW-Authenticate": "Bearer"})
-        if need_engine and (self._stopping or not self.engine.ready):
+        if need_engine and (self._stopping or self._draining or not self.engine.ready):
             message = "The engine is not ready (loading, stopping, or no replica is up)."
             return no(503, "engine_unavailable", message + " Retry shortly.", {"Retry-After": "1"})
         return None
@@ -677,6 +764,8 @@ class Gateway:
             log.exception("session %s ended with an error", session.id)
         finally:
             del self._sessions_by_id[session.id]
+            if self.persistence is not None:
+                self.persistence.ended(session, handed_over=self._handed_over)
             session.outbox.release()
             stats, (frames, deltas, sent) = session.outbox.stats, self._ended_traffic
             self._ended_traffic = (
@@ -705,6 +794,9 @@ class Gateway:
             if keep:
                 session.detach(self.config.resume_window)
                 self._set_detached(session, True)
+                if self.store is not None:
+                    # Numbered and logged meanwhile: a resume may come to another process.
+                    session.outbox.attach(NullWire())
             else:
                 session.close("disconnected")
         # else: resumed on another connection meanwhile; nothing here is ours to end.
@@ -751,6 +843,11 @@ class Gateway:
                         return None
                     session = resumed
                 else:
+                    if isinstance(event, responses_protocol.Create) and self.persistence:
+                        # The dialect finds what it continues in this process's cache.
+                        wanted = event.body.previous_response_id
+                        if wanted is not None:
+                            await self.persistence.fetch_response(wanted)
                     await session.deliver(event)
                 first = False
         return session
@@ -775,9 +872,16 @@ class Gateway:
             )
             return fresh
         c = self.config
+        if (
+            self.persistence is not None
+            and c.resume_window > 0
+            and event.session_id not in self._sessions_by_id
+        ):
+            return await self._resume_from_store(event, ws, wire, fresh)
         owner = relay.owner_of(event.session_id)
         if (
             c.worker_dir is not None
+            and self.store is None  # with a store, the store relays (gateway/store_relay.py)
             and c.resume_window > 0
             and owner is not None
             and owner != relay.owner_tag(c.node, c.worker)
@@ -806,6 +910,57 @@ class Gateway:
             return await self._refuse_resume(event, fresh, target)
         self._discard_fresh(fresh, wire)
         return target
+
+    async def _resume_from_store(
+        self,
+        event: protocol.SessionResume,
+        ws: ServerConnection,
+        wire: SocketWire,
+        fresh: Session,
+    ) -> Session | None:
+        """A Realtime resume of a session another process holds (or held): relayed while
+        its owner lives, else taken over (gateway/persistence.py)."""
+        found = await self._from_store(
+            event.session_id, event.resume_token, event.last_sequence_number, ws, wire, fresh
+        )
+        if isinstance(found, str):
+            return await self._refuse_resume(event, fresh, found)
+        return found
+
+    async def _from_store(
+        self,
+        session_id: str,
+        token: str,
+        last: int,
+        ws: ServerConnection,
+        wire: SocketWire,
+        fresh: Session | None,
+    ) -> Session | str | None:
+        """The session from the store on ``wire``: taken over (returned), relayed (None,
+        once the relay has ended) or an error code."""
+        persistence, store = self.persistence, self.store
+        assert persistence is not None and store is not None
+        loaded = await persistence.load(session_id, token)
+        if isinstance(loaded, str):
+            self.metrics.resumes.labels(outcome=loaded).inc()
+            return loaded
+        if loaded.owner is not None and loaded.owner != store.process:
+            if store_relay.gap(loaded, last):
+                return "resume_gap"
+            if fresh is not None:
+                self._discard_fresh(fresh, wire)
+            greeting = None
+            if loaded.state["dialect"] == "realtime":
+                config = snapshot.config_from(loaded.state["config"])
+                greeting = resumed_event(session_id, config, token)
+            self.metrics.resumes.labels(outcome="relayed").inc()
+            await store_relay.relay(ws, wire, store, loaded, last, greeting)
+            return None
+        taken = await persistence.take_over(loaded, token, last, wire)
+        self.metrics.resumes.labels(outcome=taken if isinstance(taken, str) else "resumed").inc()
+        if isinstance(taken, Session) and fresh is not None:
+            self._discard_fresh(fresh, wire)
+        return taken
 
     def _take_over(self, event: protocol.SessionResume, wire: SocketWire) -> Session | str:
         """Attach ``wire`` to the session ``event`` names, if its token and replay buffer
@@ -853,9 +1008,11 @@ class _Upgrade:
     token: str
     resume: Session | None = None
     last_sequence_number: int = -1
+    in_store: bool = False  # a session another process holds or held
 
 
 _RESUME_ERRORS: dict[str, str] = {
+    "session_busy": "Another gateway is taking this session over right now; retry the resume.",
     "session_not_found": "No session with that id and resume token can be resumed here "
     "(unknown, ended, or its resume window is over); this connection goes on as a new session.",
     "resume_gap": "Some events after last_sequence_number are no longer kept, so the session "

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections.abc import Callable
+from typing import Protocol
 
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
@@ -19,6 +21,18 @@ from websockets.protocol import State
 
 CLOSE_TIMEOUT = 2.0
 KERNEL_SEND_BUFFER = 64 << 10  # per connection (Linux doubles it for bookkeeping)
+
+
+class Hold(Protocol):
+    """What a socket's writes wait for before they reach the client: the session store's
+    flush (gateway/session_store.py), so that no client sees a frame the store lacks."""
+
+    up: bool  # False: nothing to wait for (memory-only meanwhile)
+
+    def after_flush(self, callback: Callable[[], None]) -> None: ...
+
+
+MAX_HELD = 256  # frames held for the store's flush before the outbox is told to wait
 
 
 class SocketWire:
@@ -34,6 +48,8 @@ class SocketWire:
 
     __slots__ = (
         "_close_task",
+        "_held",
+        "_hold",
         "_probe",
         "_probe_at",
         "_probed_bytes",
@@ -42,8 +58,10 @@ class SocketWire:
         "_ws",
     )
 
-    def __init__(self, ws: ServerConnection) -> None:
+    def __init__(self, ws: ServerConnection, hold: Hold | None = None) -> None:
         self._ws = ws
+        self._hold = hold
+        self._held: list[bytes] = []
         self._protocol = ws.protocol
         self._close_task: asyncio.Task[None] | None = None
         self._sent_bytes = 0
@@ -52,9 +70,24 @@ class SocketWire:
         self._probe_at = 0.0
 
     def writable(self) -> bool:
-        return not self._ws.paused
+        return not self._ws.paused and len(self._held) < MAX_HELD
 
     def write(self, frame: bytes) -> None:
+        hold = self._hold
+        if hold is not None and hold.up:
+            # Out after the flush that puts it in the store: one callback per flush.
+            if not self._held:
+                hold.after_flush(self._release)
+            self._held.append(frame)
+            return
+        self._send(frame)
+
+    def _release(self) -> None:
+        held, self._held = self._held, []
+        for frame in held:
+            self._send(frame)
+
+    def _send(self, frame: bytes) -> None:
         try:
             self._protocol.send_text(frame)
         except InvalidState:  # closing or gone: the frame stays in the replay buffer only
@@ -63,14 +96,25 @@ class SocketWire:
         self._sent_bytes += len(frame)
 
     async def write_later(self, frame: bytes) -> None:
+        hold = self._hold
+        if hold is not None and hold.up:
+            flushed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            hold.after_flush(lambda: _resolve(flushed))
+            await flushed  # held frames before it went out in an earlier callback
+            self._release()
         with contextlib.suppress(ConnectionClosed):
             await self._ws.send(frame, text=True)
             self._sent_bytes += len(frame)
 
     def close(self, code: int, reason: str) -> None:
+        if self._held and self._hold is not None:
+            # After the frames it holds: they reach the client once the store has them.
+            self._hold.after_flush(lambda: self._close(code, reason))
+            return
         self._close(code, reason)
 
     def _close(self, code: int, reason: str, timeout: float = CLOSE_TIMEOUT) -> None:
+        self._release()
         if self._close_task is None:
             self._close_task = asyncio.get_running_loop().create_task(
                 close_socket(self._ws, code, reason, timeout)
@@ -107,6 +151,30 @@ class SocketWire:
         """Until the close this wire started (if any) is done."""
         if self._close_task is not None:
             await asyncio.shield(self._close_task)
+
+
+class NullWire:
+    """The wire of a detached session that has a store: its frames are numbered and
+    logged (another process may resume the session from the log) and go nowhere else."""
+
+    __slots__ = ()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, frame: bytes) -> None:
+        pass
+
+    async def write_later(self, frame: bytes) -> None:
+        pass
+
+    def close(self, code: int, reason: str) -> None:
+        pass
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def cap_kernel_send_buffer(ws: ServerConnection) -> None:

@@ -69,6 +69,10 @@ class Conversation:
     def __contains__(self, item_id: object) -> bool:
         return item_id in self._by_id
 
+    def items(self) -> list[Item]:
+        """Every item, in order."""
+        return list(self._items)
+
     def get(self, item_id: str) -> Item | None:
         return self._by_id.get(item_id)
 

@@ -27,17 +27,20 @@ import asyncio
 import hmac
 import logging
 import secrets
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
 
 from gateway import protocol as p
 from gateway.engines.base import (
+    EngineError,
     GenerationRequest,
     Message,
     SamplingParams,
     Tool,
     ToolCallDelta,
     ToolChoice,
+    Usage,
 )
 from gateway.metrics import Metrics
 from gateway.scheduler import CancelReason, Job, Outcome, Scheduler
@@ -120,6 +123,7 @@ class ResponseState:
     calls: dict[int, CallState] = field(default_factory=dict)  # by the engine's call index
     outputs: int = 0  # output items opened so far
     last_item_id: str | None = None  # its newest output item, where the next one goes
+    prefix: str = ""  # text sent before a takeover (a continued answer's first part)
 
     @property
     def in_conversation(self) -> bool:
@@ -138,8 +142,9 @@ class Dialect(Protocol):
     one writer too. Hooks put events into ``core.outbox``.
     """
 
-    def attach(self, core: Session) -> None:
-        """Called once, as the session is made (the place for a greeting event)."""
+    def attach(self, core: Session, greet: bool) -> None:
+        """Called once, as the session is made; ``greet``: a new session (not one taken
+        over from another process), whose greeting event goes first."""
 
     def handle(self, command: object) -> None:
         """A decoded client command; raises :class:`~gateway.protocol.ProtocolError`."""
@@ -149,6 +154,10 @@ class Dialect(Protocol):
 
     def response_started(self, r: ResponseState) -> None:
         """``r`` was admitted; nothing of it was output yet."""
+
+    def response_continued(self, r: ResponseState) -> None:
+        """``r``, taken over from a stopped process, goes on here (its events so far were
+        sent from there)."""
 
     def text_opened(self, r: ResponseState) -> None:
         """``r``'s message item opened (output ``r.text_index``)."""
@@ -168,6 +177,18 @@ class Dialect(Protocol):
 
     def close(self) -> None:
         """The session is closing: end whatever the dialect holds that is not a response."""
+
+    def dump(self) -> dict[str, Any]:
+        """The dialect's own state, as JSON, for a session store (sessions/snapshot.py)."""
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Take back what :meth:`dump` gave, on the process that takes the session over."""
+
+    def dump_tag(self, tag: object) -> Any:
+        """A response's ``spec.tag`` as JSON."""
+
+    def load_tag(self, data: Any) -> object:
+        """The tag :meth:`dump_tag` gave."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +273,7 @@ class Session:
         metrics: Metrics | None = None,
         session_id: str | None = None,
         resume_token: str | None = None,
+        greet: bool = True,
     ) -> None:
         self.id = session_id or p.new_id("sess")
         self.conversation_id = p.new_id("conv")
@@ -271,8 +293,10 @@ class Session:
         self.resume_token = resume_token or secrets.token_urlsafe(24)  # 192 bits; never logged
         self._previous_token: str | None = None  # see resume()
         self._expiry: asyncio.TimerHandle | None = None
+        # Told after every turn of the actor (a session store saves the session then).
+        self.on_change: Callable[[Session], None] | None = None
         self.outbox.on_overflow = self._overflowed
-        dialect.attach(self)
+        dialect.attach(self, greet)
 
     # -- inputs (any task) ---------------------------------------------------
 
@@ -405,6 +429,8 @@ class Session:
             while self._closing is None or self._responses:
                 item = await self._inbox.get()
                 self._handle(item)
+                if self.on_change is not None:
+                    self.on_change(self)
         finally:
             # Normally a no-op; if the actor is cancelled or crashes, this is the
             # cleanup that frees its engine work.
@@ -511,6 +537,24 @@ class Session:
             self._open_text(response)
         return response
 
+    def continue_response(self, r: ResponseState) -> None:
+        """Go on with ``r``, a response a stopped gateway was streaming (a takeover): its
+        items are open and ``r.prefix`` was sent; the engine continues from there, or,
+        where it cannot, the response fails with ``gateway_restarted``."""
+        engine = self.scheduler.engine
+        self._responses[r.job] = r
+        self.dialect.response_continued(r)
+        if engine.can_continue and not r.calls and r.text_index == 0:
+            r.job.request = replace(r.job.request, continuation=r.prefix)
+            if self.scheduler.submit(r.job):
+                return
+        reason = (
+            "the gateway that was generating this answer stopped, and this engine cannot "
+            "continue an answer: ask again"
+        )
+        error = EngineError("gateway_restarted", reason)
+        self._inbox.put_nowait(_JobDone(r.job, Outcome("failed", "", Usage(0, 0), error)))
+
     def cancel_response(self, r: ResponseState, reason: CancelReason = "client_cancelled") -> None:
         """Stop ``r`` in the engine; its ``response_ended`` follows (status cancelled)."""
         r.cancelling = True
@@ -558,6 +602,8 @@ class Session:
 
     def _job_done(self, job: Job, outcome: Outcome) -> None:
         r = self._responses.pop(job)
+        if r.prefix:
+            outcome = replace(outcome, text=r.prefix + outcome.text)
         if r.in_conversation:
             # Every ending but a natural one leaves the items incomplete.
             status = "completed" if outcome.status == "completed" else "incomplete"

@@ -155,6 +155,8 @@ class Outbox:
         self._budget = replay_budget or ReplayBudget(replay_bytes)
         self.lost = False  # events were dropped: a resume cannot be seamless any more
         self.on_overflow: Callable[[], None] | None = None
+        # Told of every numbered frame (a session store logs it; it must not await).
+        self.on_sent: Callable[[int, bytes], None] | None = None
         self.stats = OutboxStats()
 
     def __len__(self) -> int:
@@ -264,6 +266,28 @@ class Outbox:
             return None
         return self._replay[self._replay_head + last_sequence_number + 1 - first_kept :]
 
+    @property
+    def first_kept(self) -> int:
+        """The number of the oldest frame still kept for a replay (the next one if none)."""
+        return self._replay_first if self._replay else self._seq + 1
+
+    def seed(self, frames: Sequence[tuple[int, bytes]]) -> None:
+        """Start from a log another process wrote (a takeover): its numbers go on after
+        the last of ``frames``, which are kept for a replay. Only the run of numbers that
+        ends the log is kept (a gap before it is lost)."""
+        if not frames:
+            return
+        start = len(frames) - 1
+        while start > 0 and frames[start - 1][0] == frames[start][0] - 1:
+            start -= 1
+        kept = frames[start:]
+        self._seq = kept[-1][0]
+        self._replay = [frame for _, frame in kept]
+        self._replay_head = 0
+        self._replay_first = kept[0][0]
+        self._replay_bytes = sum(len(frame) for frame in self._replay)
+        self._budget.used += self._replay_bytes
+
     def release(self) -> None:
         """The session ended: give the replay buffer's bytes back to the shared budget.
         What is pending stays for the writer to send (a slow reader's last
@@ -372,6 +396,8 @@ class Outbox:
 
     def _sent(self, seq: int, frame: bytes) -> None:
         """Count ``frame`` (numbered ``seq``) and keep it for a resume."""
+        if self.on_sent is not None:
+            self.on_sent(seq, frame)
         size = len(frame)
         self.stats.frames_out += 1
         self.stats.bytes_out += size

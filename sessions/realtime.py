@@ -20,7 +20,14 @@ from gateway import protocol as p
 from gateway.engines.base import TOOL_CHOICE_MODES, Message, SamplingParams, Tool, ToolChoice
 from gateway.scheduler import Outcome
 from sessions.conversation import Item, items_to_messages
-from sessions.core import CallState, ResponseSpec, ResponseState, Session, item_status
+from sessions.core import (
+    CallState,
+    ResponseSpec,
+    ResponseState,
+    Session,
+    SessionConfig,
+    item_status,
+)
 
 _DELTA_HEAD = b'{"type":"response.output_text.delta","event_id":"event_'
 _DELTA_INDEXES = b',"output_index":0,"content_index":0,"delta":'
@@ -77,14 +84,17 @@ class RealtimeDialect:
     def __init__(self) -> None:
         self._core: Session | None = None
         self._in_conversation: ResponseState | None = None
+        self._pending_in_conversation: str | None = None  # see load()
 
     @property
     def core(self) -> Session:
         assert self._core is not None
         return self._core
 
-    def attach(self, core: Session) -> None:
+    def attach(self, core: Session, greet: bool) -> None:
         self._core = core
+        if not greet:
+            return
         core.outbox.put(
             p.event(
                 "session.created",
@@ -94,17 +104,23 @@ class RealtimeDialect:
         )
 
     def resumed(self, resume_token: str) -> bytes | None:
-        return p.encode(
-            p.event(
-                "session.resumed",
-                event_id=p.new_id("event"),
-                session=self.session_json(),
-                resume_token=resume_token,
-            )
-        )
+        return resumed_event(self.core.id, self.core.config, resume_token)
 
     def close(self) -> None:
         pass
+
+    def dump(self) -> dict[str, Any]:
+        r = self._in_conversation
+        return {"in_conversation": r.id if r is not None and not r.cancelling else None}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self._pending_in_conversation = state["in_conversation"]
+
+    def dump_tag(self, tag: object) -> Any:
+        return None
+
+    def load_tag(self, data: Any) -> object:
+        return None
 
     def handle(self, command: object) -> None:
         match command:
@@ -127,23 +143,7 @@ class RealtimeDialect:
     # -- session and conversation ----------------------------------------------
 
     def session_json(self) -> p.JSON:
-        core = self.core
-        c = core.config
-        return {
-            "object": "realtime.session",
-            "type": "realtime",
-            "id": core.id,
-            "model": c.model,
-            "output_modalities": ["text"],
-            "instructions": c.instructions,
-            "max_output_tokens": "inf" if c.max_output_tokens is None else c.max_output_tokens,
-            "temperature": c.temperature,
-            "top_p": c.top_p,
-            "seed": c.seed,
-            "stop": list(c.stop),
-            "tools": p.tools_json(c.tools),
-            "tool_choice": p.tool_choice_json(c.tool_choice),
-        }
+        return session_json(self.core.id, self.core.config)
 
     def _session_update(self, event: p.SessionUpdate) -> None:
         core = self.core
@@ -301,6 +301,11 @@ class RealtimeDialect:
             "metadata": r.spec.metadata,
             "usage": usage,
         }
+
+    def response_continued(self, r: ResponseState) -> None:
+        """A response taken over from another process goes on here."""
+        if r.id == self._pending_in_conversation:
+            self._in_conversation = r
 
     def response_started(self, r: ResponseState) -> None:
         self.core.outbox.put(
@@ -486,6 +491,37 @@ class RealtimeDialect:
                 ev("conversation.item.done", previous_item_id=call.previous_item_id, item=item_json)
             )
         return item_json
+
+
+def session_json(session_id: str, c: SessionConfig) -> p.JSON:
+    """The ``session`` object of ``session.created``, ``.updated`` and ``.resumed``."""
+    return {
+        "object": "realtime.session",
+        "type": "realtime",
+        "id": session_id,
+        "model": c.model,
+        "output_modalities": ["text"],
+        "instructions": c.instructions,
+        "max_output_tokens": "inf" if c.max_output_tokens is None else c.max_output_tokens,
+        "temperature": c.temperature,
+        "top_p": c.top_p,
+        "seed": c.seed,
+        "stop": list(c.stop),
+        "tools": p.tools_json(c.tools),
+        "tool_choice": p.tool_choice_json(c.tool_choice),
+    }
+
+
+def resumed_event(session_id: str, config: SessionConfig, resume_token: str) -> bytes:
+    """``session.resumed`` (never numbered: it is not part of the session's events)."""
+    return p.encode(
+        p.event(
+            "session.resumed",
+            event_id=p.new_id("event"),
+            session=session_json(session_id, config),
+            resume_token=resume_token,
+        )
+    )
 
 
 def status_details(outcome: Outcome) -> dict[str, Any]:

@@ -46,11 +46,18 @@ class ResponseStore:
         self._clock = clock
         self._entries: OrderedDict[str, tuple[float, StoredResponse]] = OrderedDict()
         self.bytes = 0
+        # A session store's hooks (gateway/persistence.py): what is put or deleted here
+        # is put or deleted there too, for every process sharing it.
+        self.on_put: Callable[[StoredResponse], None] | None = None
+        self.on_delete: Callable[[str], None] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: StoredResponse) -> None:
+    def put(self, response: StoredResponse, *, notify: bool = True) -> None:
+        """Keep ``response``; ``notify``: tell the session store (not for what came from it)."""
+        if notify and self.on_put is not None:
+            self.on_put(response)
         if response.size > self.max_bytes or self.ttl <= 0:
             return
         self.delete(response.id)
@@ -71,7 +78,9 @@ class ResponseStore:
             return None
         return entry[1]
 
-    def delete(self, response_id: str) -> bool:
+    def delete(self, response_id: str, *, notify: bool = False) -> bool:
+        if notify and self.on_delete is not None:
+            self.on_delete(response_id)
         entry = self._entries.pop(response_id, None)
         if entry is None:
             return False

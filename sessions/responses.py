@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import orjson
 
@@ -34,6 +34,7 @@ from gateway.engines.base import (
     ToolChoice,
 )
 from gateway.scheduler import Job, Outcome
+from sessions import snapshot
 from sessions.conversation import Item, items_to_messages
 from sessions.core import CallState, ResponseSpec, ResponseState, Session, item_status
 from sessions.realtime import check_tool_choice, input_items
@@ -152,8 +153,68 @@ class ResponsesDialect:
         assert self._core is not None
         return self._core
 
-    def attach(self, core: Session) -> None:
+    def attach(self, core: Session, greet: bool) -> None:
         self._core = core
+
+    # -- a session store's snapshot (sessions/snapshot.py) ------------------------------
+
+    def dump(self) -> dict[str, Any]:
+        """Each lane's latest response (its id: the store has it, when it was stored).
+        Turns still waiting for a slot are not kept: a takeover drops them."""
+        return {
+            "lanes": [
+                [lane.stream_id, lane.latest.id if lane.latest is not None else None]
+                for lane in self._lanes.values()
+            ]
+        }
+
+    def load(self, state: dict[str, Any]) -> None:
+        for stream_id, latest in state["lanes"]:
+            lane = self._lane(stream_id)
+            stored = self.store.get(latest) if self.store is not None and latest else None
+            if stored is not None:
+                lane.latest = stored
+
+    def dump_tag(self, tag: object) -> Any:
+        assert isinstance(tag, _Turn)
+        body = {
+            k: getattr(tag.body, k)
+            for k in rp.CreateBody.__slots__
+            if k not in ("input", "tools") and getattr(tag.body, k) != p.UNSET
+        }
+        return {
+            "body": body,
+            "lane": tag.lane.stream_id,
+            "history": [snapshot.item_json(i) for i in tag.history],
+            "input": [snapshot.item_json(i) for i in tag.input],
+            "created_at": tag.created_at,
+            "instructions": tag.instructions,
+            "tools": [snapshot.tool_json(t) for t in tag.tools],
+            "tool_choice": tag.tool_choice,
+        }
+
+    def load_tag(self, data: Any) -> object:
+        tools = tuple(snapshot.tool_from(t) for t in data["tools"])
+        return _Turn(
+            replace(rp.CreateBody(**data["body"]), tools=tools),
+            self._lane(data["lane"]),
+            tuple(snapshot.item_from(i) for i in data["history"]),
+            tuple(snapshot.item_from(i) for i in data["input"]),
+            data["created_at"],
+            data["instructions"],
+            tools,
+            data["tool_choice"],
+        )
+
+    def response_continued(self, r: ResponseState) -> None:
+        self._turn(r).lane.running = r
+
+    def _lane(self, stream_id: str | None) -> _Lane:
+        lane = self._lanes.get(stream_id)
+        if lane is None:
+            key = self.core.conversation_id + (f" {stream_id}" if stream_id else "")
+            lane = self._lanes[stream_id] = _Lane(stream_id, key)
+        return lane
 
     @property
     def latest(self) -> StoredResponse | None:
@@ -214,8 +275,7 @@ class ResponsesDialect:
                     f"A connection has at most {MAX_LANES} named lanes (stream_id).",
                     param="stream_id",
                 )
-            key = self.core.conversation_id + (f" {body.stream_id}" if body.stream_id else "")
-            lane = self._lanes[body.stream_id] = _Lane(body.stream_id, key)
+            lane = self._lane(body.stream_id)
         if self._waiting >= MAX_WAITING:
             raise p.ProtocolError(
                 "too_many_queued_responses",

@@ -32,6 +32,7 @@ async def test_health_and_routes(gw: RunningGateway) -> None:
         "worker": "0",
         "sessions": 0,
         "responses": {"running": 0, "queued": 0},
+        "store": {"kind": "memory"},
     }
     assert (await gw.get("/readyz"))[0] == 200
     assert (await gw.get("/nope"))[0] == 404

@@ -23,6 +23,7 @@ from tests.scripted_engine import ToolLoopEngine
 from tests.test_responses_ws import responses_url
 from tests.test_sdk import run_sdk
 
+
 def long_answers() -> SimEngine:
     return SimEngine(step_ms=5, response_tokens=10_000)
 

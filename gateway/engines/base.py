@@ -91,6 +91,10 @@ class GenerationRequest:
     affinity_key: str | None = None  # the conversation, for prefix-cache / slot reuse
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = "auto"
+    # The answer so far, sent by a gateway that has since stopped (a takeover: see
+    # sessions/snapshot.py): the engine continues it, its deltas are only what follows.
+    # Only engines whose ``can_continue`` is true are given one.
+    continuation: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +201,7 @@ class Engine(abc.ABC):
     """
 
     name: str = "engine"
+    can_continue: bool = False  # takes GenerationRequest.continuation
     default_instructions: str = ""  # a session's instructions until it sets its own
     # A session's temperature and top_p until it sets its own (None: the engine's own default).
     default_sampling: SamplingParams = SamplingParams()

@@ -188,8 +188,20 @@ class _Stream:
     aborted: bool = False  # abort() asked: confirmed and dropped at the next step
 
 
+def _after(tokens: list[str | ToolCallDelta], sent: str) -> list[str | ToolCallDelta]:
+    """The tokens of a deterministic answer that follow the text already ``sent``: the
+    answer continued elsewhere is the answer the first gateway would have given."""
+    told = ""
+    for index, token in enumerate(tokens):
+        if len(told) >= len(sent):
+            return tokens[index:]
+        told += token if isinstance(token, str) else ""
+    return []
+
+
 class SimEngine(Engine):
     name = "sim"
+    can_continue = True
 
     def __init__(
         self,
@@ -274,6 +286,8 @@ class SimEngine(Engine):
                 render(messages), self.response_tokens
             )
             tokens = list(_cut_at_stop(text, request.sampling.stop))
+            if request.continuation:
+                tokens = _after(tokens, request.continuation)
         if budget is not None and len(tokens) > budget:
             tokens, finish = tokens[:budget], "length"
         return _Stream(request.request_id, deque(tokens), finish, count_tokens(messages))

@@ -1,0 +1,198 @@
+"""What a gateway does with a Redis session store (gateway/session_store.py).
+
+- Every session it opens is saved: its frames go to the event log as they are numbered
+  (the outbox's ``on_sent``), its state after each turn of its actor (``on_change``),
+  and the process holds its lease (:meth:`Persistence.adopt`).
+- A resume for a session this process does not hold is served from the store
+  (:meth:`Persistence.resume`): if the owner is gone (its lease expired, or it let go
+  at a drain) this process **takes the session over**: it restores it, replays the
+  log the client missed and continues its answers in flight; if the owner is alive
+  (another host or worker), this process **relays**: it replays from the log, tails
+  the live frames from Redis and forwards the client's frames to the owner over the
+  owner's pub/sub channel (gateway/store_relay.py). With a store this is the one relay
+  mechanism, between workers too (the Unix-socket relay is for the memory store).
+- At a drain (:meth:`Persistence.hand_over`) every session is saved once more with its
+  answers in flight, its lease released, and its hooks cut, so that what the local
+  shutdown then does (cancelling answers) never reaches the store.
+
+Who owns what: the store's queue and connections are the store's; this module only
+calls it from the event loop thread; restored sessions belong to the gateway like any.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+from typing import TYPE_CHECKING
+
+import orjson
+from redis.exceptions import RedisError
+
+from gateway.session_store import Loaded, RedisStore
+from gateway.wire import SocketWire
+from sessions import snapshot
+from sessions.core import Dialect, Session
+from sessions.outbox import Framing
+from sessions.realtime import RealtimeDialect, RealtimeFraming
+from sessions.response_store import StoredResponse
+from sessions.responses import ResponsesDialect, ResponsesFraming
+
+if TYPE_CHECKING:
+    from gateway.server import Gateway
+
+log = logging.getLogger(__name__)
+
+
+def process_id(node: str | None) -> str:
+    """This process's name in leases: host (or ``--node``), pid and a random part."""
+    return f"{node or socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def dialect_name(session: Session) -> str:
+    return "responses" if isinstance(session.dialect, ResponsesDialect) else "realtime"
+
+
+def response_json(stored: StoredResponse) -> bytes:
+    return orjson.dumps(
+        {
+            "id": stored.id,
+            "body": stored.body,
+            "history": [snapshot.item_json(i) for i in stored.history],
+            "input": [snapshot.item_json(i) for i in stored.input_items],
+            "pending_calls": [list(c) for c in stored.pending_calls],
+        }
+    )
+
+
+def response_from(data: bytes) -> StoredResponse:
+    obj = orjson.loads(data)
+    return StoredResponse(
+        obj["id"],
+        obj["body"],
+        tuple(snapshot.item_from(i) for i in obj["history"]),
+        tuple(snapshot.item_from(i) for i in obj["input"]),
+        tuple((c[0], c[1]) for c in obj["pending_calls"]),
+    )
+
+
+class Persistence:
+    """One gateway's use of its store (see the module docstring)."""
+
+    def __init__(self, gateway: Gateway, store: RedisStore) -> None:
+        self.gateway = gateway
+        self.store = store
+        responses = gateway.response_store
+        responses.on_put = lambda r: store.put_response(r.id, response_json(r), responses.ttl)
+        responses.on_delete = store.delete_response
+
+    # -- sessions of this process ------------------------------------------------------
+
+    def adopt(self, session: Session) -> None:
+        """Save ``session`` from now on, and hold its lease."""
+        store, session_id, name = self.store, session.id, dialect_name(session)
+        session.outbox.on_sent = lambda seq, frame: store.log(session_id, seq, frame)
+
+        def changed(s: Session) -> None:
+            store.save(session_id, lambda: snapshot.dump(s, name))
+            store.trim(session_id, s.outbox.first_kept)
+
+        session.on_change = changed
+        changed(session)
+        store.own(session_id)
+
+    def ended(self, session: Session, *, handed_over: bool) -> None:
+        """``session`` ended here: for good (its keys go), or handed over at a drain."""
+        if not handed_over:
+            self.store.forget(session.id)
+
+    def hand_over(self, sessions: list[Session]) -> None:
+        """A drain: save each session as it is now, answers in flight included, and let
+        go of it; nothing this process does with them afterwards is saved."""
+        window = self.gateway.config.resume_window
+        for session in sessions:
+            if session.ending and not session.live_responses:
+                continue
+            name = dialect_name(session)
+            data = snapshot.dump(session, name)
+            self.store.save(session.id, lambda data=data: data)  # type: ignore[misc]
+            self.store.release(session.id, window)
+            session.outbox.on_sent = None
+            session.on_change = None
+
+    # -- sessions of other processes ---------------------------------------------------
+
+    async def fetch_response(self, response_id: str) -> StoredResponse | None:
+        """A stored response another process made (into this process's cache)."""
+        local = self.gateway.response_store
+        found = local.get(response_id)
+        if found is not None:
+            return found
+        try:
+            data = await self.store.get_response(response_id)
+        except (RedisError, OSError):
+            return None
+        if data is None:
+            return None
+        stored = response_from(data)
+        local.put(stored, notify=False)
+        return stored
+
+    async def load(self, session_id: str, token: str) -> Loaded | str:
+        """The stored session, if ``token`` is its; else the error code."""
+        try:
+            loaded = await self.store.load(session_id)
+        except (RedisError, OSError):
+            log.warning("resume of %s: the session store does not answer", session_id)
+            return "session_not_found"
+        if loaded is None or not snapshot.token_matches(token, loaded.state["token"]):
+            return "session_not_found"
+        return loaded
+
+    async def take_over(
+        self, loaded: Loaded, token: str, last: int, wire: SocketWire
+    ) -> Session | str:
+        """Make the stored session this process's, its client on ``wire`` (replayed from
+        ``last``), its answers in flight going on; else the error code."""
+        store, gateway = self.store, self.gateway
+        session_id = loaded.state["id"]
+        if not await store.acquire(session_id):
+            return "session_busy"
+        dialect, framing = self._dialect(loaded.state["dialect"])
+        if isinstance(dialect, ResponsesDialect):
+            for _, latest in loaded.state["dialect_state"]["lanes"]:
+                if latest:
+                    await self.fetch_response(latest)
+        outbox = gateway.new_outbox(framing)
+        outbox.seed(loaded.frames)
+        session, in_flight = snapshot.restore(
+            loaded.state,
+            gateway.scheduler,
+            outbox,
+            dialect,
+            token=token,
+            limits=gateway.session_limits,
+            metrics=gateway.metrics,
+        )
+        gateway.register(session)
+        rotate = not isinstance(dialect, ResponsesDialect)
+        code = session.resume(token, last, wire, rotate=rotate)
+        if code is not None:
+            session.close("disconnected")
+            gateway.metrics.takeovers.labels(outcome=code).inc()
+            return code
+        snapshot.continue_responses(session, in_flight, [frame for _, frame in loaded.frames])
+        gateway.metrics.takeovers.labels(outcome="taken_over").inc()
+        log.info(
+            "took over session %s from %s (%d answers in flight)",
+            session_id,
+            loaded.owner or "a stopped gateway",
+            len(in_flight),
+        )
+        return session
+
+    def _dialect(self, name: str) -> tuple[Dialect, Framing]:
+        if name == "responses":
+            return ResponsesDialect(self.gateway.response_store), ResponsesFraming()
+        return RealtimeDialect(), RealtimeFraming()

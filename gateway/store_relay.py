@@ -1,0 +1,157 @@
+"""Resume on a process that does not hold the session, while its owner is alive.
+
+The process the client reached (the *relay*) replays the event log after the client's
+last number, then tails the log (``XREAD BLOCK``) and writes each new frame to the
+client; the client's own frames go to the owner over its pub/sub channel, with a
+heartbeat that keeps the owner's detached session alive. The owner (:class:`Inbound`,
+one subscription per process) delivers those frames to the session's actor as if they
+came from a socket. The owner keeps numbering and logging, so the relay's client sees
+the same events, in the same order, as a local one would. If the owner goes away
+meanwhile (its lease ends), the relay closes the socket with 1012: the client's next
+resume takes the session over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from redis.exceptions import RedisError
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+
+from gateway import protocol
+from gateway import responses_protocol as rp
+from gateway.session_store import Loaded, RedisStore, channel, log_key, owner_key
+from gateway.wire import SocketWire
+from sessions.core import Session
+from sessions.responses import ResponsesDialect
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_SECONDS = 1.0
+TAIL_BLOCK_MS = 1000
+
+
+def gap(loaded: Loaded, last: int) -> bool:
+    """Whether frames after ``last`` are missing from the log (trimmed, or lost)."""
+    if not loaded.frames:
+        return False
+    first = loaded.frames[0][0]
+    return last + 1 < first and not (last < 0 and first == 0)
+
+
+async def relay(
+    ws: ServerConnection,
+    wire: SocketWire,
+    store: RedisStore,
+    loaded: Loaded,
+    last: int,
+    greeting: bytes | None,
+) -> None:
+    """Serve the client on ``ws`` from the log and the owner, until either goes."""
+    session_id, owner = loaded.state["id"], loaded.owner or ""
+    frames = [frame for seq, frame in loaded.frames if seq > last]
+    top = loaded.frames[-1][0] if loaded.frames else last
+    for frame in ([greeting] if greeting is not None else []) + frames:
+        await wire.write_later(frame)
+
+    async def publish(kind: str, frame: str | None = None) -> None:
+        message = {"session": session_id, "kind": kind, "frame": frame}
+        with contextlib.suppress(RedisError, OSError):
+            await store.client.publish(channel(owner), orjson.dumps(message))
+
+    async def tail(after: int) -> None:
+        cursor = f"{after}-1" if after >= 0 else "0-0"
+        while True:
+            entries: Any = await store.client.xread(
+                {log_key(session_id): cursor}, block=TAIL_BLOCK_MS
+            )
+            for _, items in entries or []:
+                for entry_id, fields in items:
+                    cursor = entry_id.decode()
+                    await wire.write_later(fields[b"f"])
+
+    async def heartbeat() -> None:
+        while True:
+            await publish("heartbeat")
+            await asyncio.sleep(HEARTBEAT_SECONDS)
+            if await store.client.get(owner_key(session_id)) is None:
+                log.info("relay of %s: its owner is gone; the client resumes again", session_id)
+                wire.close(1012, "the session's gateway stopped: resume again")
+                return
+
+    async def forward() -> None:
+        with contextlib.suppress(ConnectionClosed):
+            async for frame in ws:
+                if isinstance(frame, str):
+                    await publish("frame", frame)
+
+    tasks = [asyncio.create_task(job) for job in (tail(top), heartbeat(), forward())]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, RedisError, OSError, ConnectionClosed):
+                await task
+        if ws.protocol.close_rcvd is not None:  # the client closed it: the session ends
+            await publish("close")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(2.5):
+                await wire.closed()
+
+
+class Inbound:
+    """The owner's side: frames that relays forward to this process's sessions."""
+
+    def __init__(
+        self, store: RedisStore, sessions: Callable[[str], Session | None], window: float
+    ) -> None:
+        self.store = store
+        self.sessions = sessions
+        self.window = window
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._listen(), name="store-inbound")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    async def _listen(self) -> None:
+        while True:
+            try:
+                pubsub = self.store.client.pubsub(ignore_subscribe_messages=True)
+                await pubsub.subscribe(channel(self.store.process))
+                async for message in pubsub.listen():
+                    await self._handle(orjson.loads(message["data"]))
+            except (RedisError, OSError) as exc:
+                log.debug("relay channel: %s; listening again", exc)
+                await asyncio.sleep(0.5)
+
+    async def _handle(self, message: dict[str, Any]) -> None:
+        session = self.sessions(message.get("session", ""))
+        if session is None or session.ending:
+            return
+        kind = message.get("kind")
+        if kind == "heartbeat":
+            session.detach(self.window)  # its client is on a relay: keep it that long
+        elif kind == "close":
+            session.close("disconnected")
+        elif kind == "frame":
+            decode = rp.decode if isinstance(session.dialect, ResponsesDialect) else protocol.decode
+            try:
+                command: object = decode(message.get("frame") or "")
+            except protocol.ProtocolError as err:
+                command = err
+            if not isinstance(command, protocol.SessionResume):
+                await session.deliver(command)

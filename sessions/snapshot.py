@@ -1,0 +1,229 @@
+"""A session as JSON, for a session store: what another gateway process needs to take
+the session over when the one that held it is gone.
+
+:func:`dump` is called on the owner's event loop between the actor's turns (so it sees
+a consistent state); :func:`restore` builds the session again on the process that takes
+it over, and :func:`continue_responses` picks its answers in flight up. The text such
+an answer had sent is not in the snapshot but in the event log (the frames that reached
+the client): :func:`sent_text` reads it back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import asdict
+from typing import Any
+
+import orjson
+
+from gateway.engines.base import (
+    GenerationRequest,
+    Message,
+    SamplingParams,
+    Tool,
+    ToolCall,
+)
+from gateway.metrics import Metrics
+from gateway.scheduler import Job, Scheduler
+from sessions.conversation import Item
+from sessions.core import (
+    CallState,
+    Dialect,
+    ResponseSpec,
+    ResponseState,
+    Session,
+    SessionConfig,
+    SessionLimits,
+)
+from sessions.outbox import Outbox
+
+VERSION = 1
+JSON = dict[str, Any]
+
+
+def token_digest(token: str) -> str:
+    """What the store keeps of a resume token: its SHA-256 (the token is never stored)."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def token_matches(token: str, digest: str) -> bool:
+    return hmac.compare_digest(token_digest(token), digest)
+
+
+# -- the parts ---------------------------------------------------------------------
+
+
+def item_json(item: Item) -> JSON:
+    return asdict(item)
+
+
+def item_from(data: JSON) -> Item:
+    return Item(**data)
+
+
+def tool_json(tool: Tool) -> JSON:
+    return {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
+
+
+def tool_from(data: JSON) -> Tool:
+    return Tool(data["name"], data["description"], data["parameters"])
+
+
+def _message_json(m: Message) -> JSON:
+    return {
+        "role": m.role,
+        "text": m.text,
+        "tool_calls": [asdict(c) for c in m.tool_calls],
+        "tool_call_id": m.tool_call_id,
+    }
+
+
+def _message_from(data: JSON) -> Message:
+    calls = tuple(ToolCall(**c) for c in data["tool_calls"])
+    return Message(data["role"], data["text"], calls, tool_call_id=data["tool_call_id"])
+
+
+def _config_json(c: SessionConfig) -> JSON:
+    data = asdict(c)
+    data["tools"] = [tool_json(t) for t in c.tools]
+    return data
+
+
+def config_from(data: JSON) -> SessionConfig:
+    data = dict(data)
+    data["tools"] = tuple(tool_from(t) for t in data["tools"])
+    data["stop"] = tuple(data["stop"])
+    return SessionConfig(**data)
+
+
+def _spec_json(spec: ResponseSpec, dialect: Dialect) -> JSON:
+    return {
+        "messages": [_message_json(m) for m in spec.messages],
+        "sampling": {**asdict(spec.sampling), "stop": list(spec.sampling.stop)},
+        "tools": [tool_json(t) for t in spec.tools],
+        "tool_choice": spec.tool_choice,
+        "in_conversation": spec.in_conversation,
+        "affinity_key": spec.affinity_key,
+        "metadata": spec.metadata,
+        "tag": dialect.dump_tag(spec.tag),
+    }
+
+
+def _spec_from(data: JSON, dialect: Dialect) -> ResponseSpec:
+    sampling = dict(data["sampling"])
+    sampling["stop"] = tuple(sampling["stop"])
+    return ResponseSpec(
+        messages=tuple(_message_from(m) for m in data["messages"]),
+        sampling=SamplingParams(**sampling),
+        tools=tuple(tool_from(t) for t in data["tools"]),
+        tool_choice=data["tool_choice"],
+        in_conversation=data["in_conversation"],
+        affinity_key=data["affinity_key"],
+        metadata=data["metadata"],
+        tag=dialect.load_tag(data["tag"]),
+    )
+
+
+# -- a whole session ---------------------------------------------------------------
+
+
+def dump(session: Session, dialect_name: str) -> bytes:
+    """The session as JSON bytes (its conversation, settings, answers in flight)."""
+    responses = [
+        {
+            "id": r.id,
+            "item_id": r.item_id,
+            "text_index": r.text_index,
+            "previous_item_id": r.previous_item_id,
+            "outputs": r.outputs,
+            "last_item_id": r.last_item_id,
+            "delta_key": r.delta_key,
+            "calls": len(r.calls),
+            "spec": _spec_json(r.spec, session.dialect),
+        }
+        for r in session.responses
+        if not r.cancelling
+    ]
+    data = {
+        "v": VERSION,
+        "dialect": dialect_name,
+        "id": session.id,
+        "conversation_id": session.conversation_id,
+        "token": token_digest(session.resume_token),
+        "config": _config_json(session.config),
+        "items": [item_json(i) for i in session.conversation.items()],
+        "responses": responses,
+        "dialect_state": session.dialect.dump(),
+    }
+    return orjson.dumps(data)
+
+
+def restore(
+    data: JSON,
+    scheduler: Scheduler,
+    outbox: Outbox,
+    dialect: Dialect,
+    *,
+    token: str,
+    limits: SessionLimits | None = None,
+    metrics: Metrics | None = None,
+) -> tuple[Session, list[ResponseState]]:
+    """The session ``data`` describes, on this process, and its answers in flight (not
+    yet started: see :func:`continue_responses`). ``token``: the one its client showed."""
+    session = Session(
+        scheduler,
+        outbox,
+        dialect,
+        config=config_from(data["config"]),
+        limits=limits,
+        metrics=metrics,
+        session_id=data["id"],
+        resume_token=token,
+        greet=False,
+    )
+    session.conversation_id = data["conversation_id"]
+    for item in data["items"]:
+        session.conversation.insert(item_from(item))
+    in_flight = []
+    for saved in data["responses"]:
+        spec = _spec_from(saved["spec"], dialect)
+        request = GenerationRequest(
+            request_id=saved["id"],
+            messages=spec.messages,
+            sampling=spec.sampling,
+            affinity_key=spec.affinity_key,
+            tools=spec.tools if spec.tool_choice != "none" else (),
+            tool_choice=spec.tool_choice,
+        )
+        job = Job(request, session.id, session)
+        r = ResponseState(saved["id"], saved["item_id"], job, spec, saved["delta_key"])
+        r.text_index = saved["text_index"]
+        r.previous_item_id = saved["previous_item_id"]
+        r.outputs = saved["outputs"]
+        r.last_item_id = saved["last_item_id"]
+        if saved["calls"]:
+            # Calls cannot be continued half-way: it ends (see continue_response).
+            r.calls[0] = CallState("", "", "", -1, None)
+        in_flight.append(r)
+    dialect.load(data["dialect_state"])
+    return session, in_flight
+
+
+def sent_text(frames: list[bytes], item_id: str) -> str:
+    """The text deltas of output item ``item_id`` among ``frames`` (an event log), joined."""
+    needle = orjson.dumps(item_id)
+    parts = []
+    for frame in frames:
+        if b'"response.output_text.delta"' in frame and needle in frame:
+            event = orjson.loads(frame)
+            if event.get("item_id") == item_id:
+                parts.append(event["delta"])
+    return "".join(parts)
+
+
+def continue_responses(session: Session, in_flight: list[ResponseState], log: list[bytes]) -> None:
+    """Go on with the answers in flight, each from the text its client already has."""
+    for r in in_flight:
+        r.prefix = sent_text(log, r.item_id)
+        session.continue_response(r)
