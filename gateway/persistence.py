@@ -120,6 +120,10 @@ class Persistence:
             self.store.release(session.id, window)
             session.outbox.on_sent = None
             session.on_change = None
+            # At once, with no await before it: a frame numbered from now on would reach
+            # the client without being in the log. What is pending still goes, after the
+            # flush that logs it (the socket holds it till then).
+            session.outbox.close(1012, "service restart: resume on another gateway")
 
     # -- sessions of other processes ---------------------------------------------------
 
@@ -143,8 +147,8 @@ class Persistence:
         """The stored session, if ``token`` is its; else the error code."""
         try:
             loaded = await self.store.load(session_id)
-        except (RedisError, OSError):
-            log.warning("resume of %s: the session store does not answer", session_id)
+        except (RedisError, OSError) as exc:
+            log.warning("resume of %s: the session store does not answer (%r)", session_id, exc)
             return "session_not_found"
         if loaded is None or not snapshot.token_matches(token, loaded.state["token"]):
             return "session_not_found"

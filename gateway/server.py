@@ -271,8 +271,6 @@ class Gateway:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(5):
                 await store.flush()
-        for session in sessions:
-            session.outbox.close(1012, "service restart: resume on another gateway")
 
     async def stop(self) -> None:
         """Stop accepting, end every response with ``response.done``, close with 1001."""

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "llmgw:"
 LEASE_SECONDS = 3.0
+MAX_CONNECTIONS = 256
 _RENEW = """
 if redis.call('get', KEYS[1]) == ARGV[1] then
   redis.call('pexpire', KEYS[1], ARGV[2])
@@ -112,9 +113,17 @@ class RedisStore:
         self.lease_seconds = lease_seconds
         self.max_buffer_bytes = max_buffer_bytes
         self.metrics = metrics
-        self.client: redis.Redis = redis.from_url(
-            url, socket_timeout=2.0, socket_connect_timeout=2.0, health_check_interval=5
+        # A bounded pool that makes a command wait for a connection rather than fail: a
+        # burst of resumes (a drained gateway's clients) shares it with relays' tails.
+        pool = redis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=MAX_CONNECTIONS,
+            timeout=10,
+            socket_timeout=5.0,
+            socket_connect_timeout=2.0,
+            health_check_interval=5,
         )
+        self.client: redis.Redis = redis.Redis(connection_pool=pool)
         self.up = False
         self.buffered_bytes = 0
         self._pending: dict[str, _Pending] = {}

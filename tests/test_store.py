@@ -1,0 +1,385 @@
+"""The Redis session store against a real Redis (Debian's ``redis-server``, started here
+on a free loopback port): gateway processes that share it resume each other's sessions,
+take over the sessions of one killed or drained mid-answer, and ride out a Redis restart.
+No mock stands in for Redis or for the gateway processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import orjson
+import pytest
+import redis
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+from tests.responses_harness import ResponsesClient
+
+TIMEOUT = 20.0
+pytestmark = pytest.mark.skipif(
+    shutil.which("redis-server") is None and os.environ.get("CI") != "true",
+    reason="needs Debian's redis-server (.ci/run installs it)",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class RedisServer:
+    """A real redis-server on a free loopback port, in a temporary folder."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="redis-")
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
+        argv += ["--save", "", "--appendonly", "no", "--dir", self.dir]
+        self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            with contextlib.suppress(redis.exceptions.ConnectionError):
+                if redis.Redis(port=self.port).ping():
+                    return
+            assert time.monotonic() < deadline, "redis-server did not answer"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(TIMEOUT)
+            self.process = None
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port)
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+    shutil.rmtree(server.dir, ignore_errors=True)
+
+
+class GatewayProcess:
+    """``python -m gateway --engine sim`` with a session store, on a free port."""
+
+    def __init__(self, store: str, *extra: str, step_ms: int = 20, tokens: int = 80) -> None:
+        argv = [sys.executable, "-m", "gateway", "--engine", "sim", "--port", "0"]
+        argv += ["--sim-step-ms", str(step_ms), "--sim-response-tokens", str(tokens)]
+        argv += ["--session-store", store, *extra]
+        self.process = subprocess.Popen(
+            argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+        )
+        assert self.process.stderr is not None
+        self.log: list[str] = []
+        found = None
+        while found is None:
+            line = self.process.stderr.readline()
+            assert line, f"the gateway exited before its ready line: {self.log}"
+            self.log.append(line)
+            found = re.search(r"chat page http://(127\.0\.0\.1:\d+)/", line)
+        self.address = found.group(1)
+        self._drain = asyncio.get_running_loop().run_in_executor(None, self._read_log)
+
+    def _read_log(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.log.append(line)
+
+    def url(self, path: str = "/v1/realtime") -> str:
+        return f"ws://{self.address}{path}"
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(TIMEOUT)
+
+    async def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.terminate()
+        code = await asyncio.to_thread(self.process.wait, TIMEOUT)
+        await self._drain
+        return code
+
+
+@contextlib.asynccontextmanager
+async def gateways(
+    store: str, n: int, *extra: str, **kw: Any
+) -> AsyncIterator[list[GatewayProcess]]:
+    started = [GatewayProcess(store, *extra, **kw) for _ in range(n)]
+    try:
+        yield started
+    finally:
+        for g in started:
+            if g.process.poll() is None:
+                await g.stop()
+
+
+class Chat:
+    """A raw Realtime client that keeps every event it got, across connections."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.ws: ClientConnection | None = None
+        self.session_id = ""
+        self.token = ""
+
+    async def open(self, url: str) -> None:
+        self.ws = await connect(url, open_timeout=TIMEOUT)
+        created = await self.recv()
+        self.session_id, self.token = created["session"]["id"], created["resume_token"]
+
+    async def resume(self, url: str) -> dict[str, Any]:
+        self.ws = await connect(url, open_timeout=TIMEOUT)
+        await self.recv()  # the fresh session.created this connection starts with
+        self.events.pop()
+        last = self.events[-1]["sequence_number"]
+        resume = {"session_id": self.session_id, "resume_token": self.token}
+        await self.send({"type": "session.resume", **resume, "last_sequence_number": last})
+        answer = await self.recv(keep=False)
+        if answer["type"] == "session.resumed":
+            self.token = answer["resume_token"]
+        return answer
+
+    async def send(self, event: dict[str, Any]) -> None:
+        assert self.ws is not None
+        await self.ws.send(orjson.dumps(event).decode())
+
+    async def recv(self, keep: bool = True) -> dict[str, Any]:
+        assert self.ws is not None
+        async with asyncio.timeout(TIMEOUT):
+            event: dict[str, Any] = orjson.loads(await self.ws.recv())
+        if keep:
+            self.events.append(event)
+        return event
+
+    async def ask(self, text: str) -> None:
+        item = {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": text}],
+        }
+        await self.send({"type": "conversation.item.create", "item": item})
+        await self.send({"type": "response.create"})
+
+    async def until(self, event_type: str) -> dict[str, Any]:
+        while True:
+            event = await self.recv()
+            if event["type"] == event_type:
+                return event
+
+    async def finish(self, url: str) -> None:
+        """Until the answer's ``response.done``, resuming on ``url`` after each 1012 (a relay
+        whose owner turned out dead: the next resume takes the session over)."""
+        async with asyncio.timeout(TIMEOUT):
+            while True:
+                try:
+                    await self.until("response.done")
+                    return
+                except ConnectionClosed as closed:
+                    assert closed.rcvd is not None and closed.rcvd.code == 1012, closed
+                    while (await self.resume(url))["type"] != "session.resumed":
+                        await asyncio.sleep(0.2)
+
+    async def deltas(self, n: int) -> None:
+        for _ in range(n):
+            await self.until("response.output_text.delta")
+
+    def check_whole(self, answers: int = 1) -> None:
+        """Every event once, in order; each answer's deltas joined equal its final text."""
+        numbers = [e["sequence_number"] for e in self.events]
+        assert numbers == list(range(1, len(numbers) + 1)), numbers
+        done = [e for e in self.events if e["type"] == "response.done"]
+        assert len(done) == answers and all(d["response"]["status"] == "completed" for d in done)
+        for d in done:
+            rid = d["response"]["id"]
+            text = "".join(
+                e["delta"]
+                for e in self.events
+                if e["type"] == "response.output_text.delta" and e["response_id"] == rid
+            )
+            assert text == d["response"]["output"][0]["content"][0]["text"] != ""
+
+
+async def test_a_resume_on_the_other_gateway_mid_answer_is_relayed(
+    redis_server: RedisServer,
+) -> None:
+    async with gateways(redis_server.url, 2) as (a, b):
+        chat = Chat()
+        await chat.open(a.url())
+        await chat.ask("Hello")
+        await chat.deltas(5)
+        assert chat.ws is not None
+        chat.ws.transport.abort()  # a network drop; the owner lives on
+        assert (await chat.resume(b.url()))["type"] == "session.resumed"
+        await chat.until("response.done")
+        await chat.ask("And a second question, through the relay")
+        await chat.until("response.done")
+        chat.check_whole(answers=2)
+        assert any("took over" not in line for line in b.log)
+
+
+async def test_kill_9_of_the_owner_mid_answer_then_a_takeover_continues_it(
+    redis_server: RedisServer,
+) -> None:
+    async with gateways(redis_server.url, 2) as (a, b):
+        chat = Chat()
+        await chat.open(a.url())
+        await chat.ask("Tell me a story")
+        await chat.deltas(8)
+        a.kill()
+        with contextlib.suppress(Exception):
+            while True:
+                await chat.recv()  # what was on its way; then the socket is gone
+        # Until the dead owner's lease runs out, B relays; then it closes with 1012 and
+        # the next resume takes the session over.
+        assert (await chat.resume(b.url()))["type"] == "session.resumed"
+        await chat.finish(b.url())
+        chat.check_whole()
+        assert any("took over session" in line for line in b.log)
+
+
+async def test_sigterm_drains_then_every_client_resumes_on_the_other_gateway(
+    redis_server: RedisServer,
+) -> None:
+    sessions = 200
+    async with gateways(redis_server.url, 2, "--drain-timeout", "0.3", tokens=300) as (a, b):
+        chats = [Chat() for _ in range(sessions)]
+        await asyncio.gather(*(c.open(a.url()) for c in chats))
+        await asyncio.gather(*(c.ask(f"question {i}") for i, c in enumerate(chats)))
+        await asyncio.gather(*(c.deltas(2) for c in chats))
+        a.process.send_signal(signal.SIGTERM)
+
+        async def until_closed(chat: Chat) -> int | None:
+            with contextlib.suppress(Exception):
+                while True:
+                    await chat.recv()
+            assert chat.ws is not None
+            return chat.ws.close_code
+
+        codes = await asyncio.gather(*(until_closed(c) for c in chats))
+        assert set(codes) == {1012}
+        assert await a.stop() == 0
+        started = time.perf_counter()
+        answers = await asyncio.gather(*(c.resume(b.url()) for c in chats))
+        resumed_in = time.perf_counter() - started
+        assert {a["type"] for a in answers} == {"session.resumed"}, [
+            a for a in answers if a["type"] != "session.resumed"
+        ][:3] + [line for line in b.log + a.log if "WARN" in line or "ERROR" in line][:10]
+        in_flight = [c for c in chats if not any(e["type"] == "response.done" for e in c.events)]
+        assert in_flight  # some answers were cut by the drain and go on on the other gateway
+        await asyncio.gather(*(c.until("response.done") for c in in_flight))
+        for chat in chats:
+            chat.check_whole()
+        assert resumed_in < 15
+
+
+async def test_a_redis_restart_mid_stream_loses_nothing_delivered(
+    redis_server: RedisServer,
+) -> None:
+    async with gateways(redis_server.url, 1, tokens=100) as (a,):
+        chat = Chat()
+        await chat.open(a.url())
+        await chat.ask("Hello")
+        await chat.deltas(5)
+        redis_server.stop()
+        await chat.deltas(10)  # memory-only meanwhile: the answer goes on
+        redis_server.start()
+        await chat.until("response.done")
+        chat.check_whole()
+        async with asyncio.timeout(TIMEOUT):
+            while True:
+                health = orjson.loads(await fetch(a.address, "/healthz"))
+                if health["store"]["up"]:
+                    break
+                await asyncio.sleep(0.1)
+        second = Chat()  # stored again once Redis is back
+        await second.open(a.url())
+        await second.ask("Hi")
+        await second.until("response.done")
+        async with asyncio.timeout(TIMEOUT):
+            while not redis_server.client().exists(f"llmgw:s:{second.session_id}"):
+                await asyncio.sleep(0.05)
+
+
+async def test_a_closed_session_leaves_no_keys(redis_server: RedisServer) -> None:
+    async with gateways(redis_server.url, 1, step_ms=1, tokens=5) as (a,):
+        chat = Chat()
+        await chat.open(a.url())
+        await chat.ask("Hello")
+        await chat.until("response.done")
+        client = redis_server.client()
+        assert client.exists(f"llmgw:s:{chat.session_id}", f"llmgw:l:{chat.session_id}") == 2
+        assert client.pttl(f"llmgw:s:{chat.session_id}") > 0  # they would expire anyway
+        assert chat.ws is not None
+        await chat.ws.close()
+        async with asyncio.timeout(TIMEOUT):
+            while client.keys(f"llmgw:*{chat.session_id}"):
+                await asyncio.sleep(0.05)
+
+
+async def test_the_responses_dialect_takes_over_and_continues_stored_responses(
+    redis_server: RedisServer,
+) -> None:
+    async with gateways(redis_server.url, 2, tokens=60) as (a, b):
+        async with ResponsesClient.connect(a.url("/v1/responses")) as c:
+            first = await c.respond(input="Hello")
+            session, token = c.session_id, c.resume_token
+            await c.create(input="A long one", previous_response_id=first.id)
+            seen = [await c.recv() for _ in range(8)]
+            a.kill()
+        headers = {
+            "x-session-id": session,
+            "x-resume-token": token,
+            "x-last-sequence-number": str(seen[-1]["sequence_number"]),
+        }
+        async with asyncio.timeout(TIMEOUT):
+            while True:
+                try:
+                    async with ResponsesClient.connect(
+                        b.url("/v1/responses"), additional_headers=headers
+                    ) as r:
+                        rest = await r.collect()
+                        break
+                except Exception:
+                    await asyncio.sleep(0.5)  # the dead owner's lease has not run out yet
+        events = seen + rest.events
+        numbers = [e["sequence_number"] for e in events]
+        assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        assert text == rest.done_text and rest.response["status"] == "completed"
+        # A stored response continues on any gateway, over HTTP too.
+        async with ResponsesClient.connect(b.url("/v1/responses")) as other:
+            again = await other.respond(input="Go on", previous_response_id=first.id)
+            assert again.response["previous_response_id"] == first.id
+
+
+async def fetch(address: str, path: str) -> bytes:
+    reader, writer = await asyncio.open_connection(*address.split(":"))
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+    data = await reader.read()
+    writer.close()
+    return data.partition(b"\r\n\r\n")[2]
