@@ -383,3 +383,92 @@ async def fetch(address: str, path: str) -> bytes:
     data = await reader.read()
     writer.close()
     return data.partition(b"\r\n\r\n")[2]
+
+
+class Balancer:
+    """A TCP load balancer without affinity: each connection goes to the next backend
+    that accepts it, round robin."""
+
+    def __init__(self, backends: list[str]) -> None:
+        self.backends = backends
+        self._next = 0
+        self._server: asyncio.Server | None = None
+        self._links: set[asyncio.StreamWriter] = set()
+        self.port = 0
+
+    def url(self, path: str = "/v1/realtime") -> str:
+        return f"ws://127.0.0.1:{self.port}{path}"
+
+    async def __aenter__(self) -> Balancer:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self._links:
+            writer.transport.abort()
+        await self._server.wait_closed()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(len(self.backends)):
+            host, port = self.backends[self._next % len(self.backends)].split(":")
+            self._next += 1
+            with contextlib.suppress(OSError):
+                up_reader, up_writer = await asyncio.open_connection(host, int(port))
+                break
+        else:
+            writer.transport.abort()
+            return
+        self._links |= {writer, up_writer}
+
+        async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except ConnectionError:
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(copy(reader, up_writer), copy(up_reader, writer))
+        self._links -= {writer, up_writer}
+
+
+async def test_gateway_client_rides_a_rolling_restart_of_two_gateways(
+    redis_server: RedisServer,
+) -> None:
+    import gateway.client as gc
+
+    flags = ("--drain-timeout", "0.2")
+    first, second = GatewayProcess(redis_server.url, *flags, tokens=200), None
+    try:
+        second = GatewayProcess(redis_server.url, *flags, tokens=200)
+        async with Balancer([first.address, second.address]) as lb, gc.connect(lb.url()) as chat:
+            restarted = []
+            for turn in range(2):
+                deltas: list[str] = []
+                stream = chat.stream(f"Tell me story {turn}")
+                async for delta in stream:
+                    deltas.append(delta)
+                    if len(deltas) == 5:
+                        # Restart the gateway that holds the session: SIGTERM, a new one.
+                        holder = first if turn == 0 else second
+                        assert holder is not None
+                        holder.process.send_signal(signal.SIGTERM)
+                        restarted.append(holder)
+                assert stream.reply is not None and stream.reply.status == "completed"
+                assert "".join(deltas) == stream.reply.text
+                assert await restarted[-1].stop() == 0
+                replacement = GatewayProcess(redis_server.url, *flags, tokens=200)
+                if turn == 0:
+                    first = replacement
+                else:
+                    second = replacement
+                lb.backends = [first.address, second.address]  # type: ignore[union-attr]
+    finally:
+        for g in (first, second):
+            if g is not None and g.process.poll() is None:
+                await g.stop()

@@ -24,6 +24,7 @@ RESUME_TIMEOUT = 20.0
 its ``--resume-window``, 30 s by default, counted from when it notices the drop)."""
 
 _KEEPALIVE_TIMEOUT = 1011  # what websockets sends when its pings go unanswered
+_SERVICE_RESTART = 1012  # a gateway with a session store restarting (docs/deployment.md)
 
 
 def is_drop(rcvd: Close | None, sent: Close | None) -> bool:
@@ -33,9 +34,12 @@ def is_drop(rcvd: Close | None, sent: Close | None) -> bool:
     decision and is final. No close frame means the network went away: a reset, or
     keepalive pings that went unanswered (websockets then sends 1011 itself, which a dead
     network does not deliver). Any other close the client started (a frame too big...)
-    would happen again on a resumed connection.
+    would happen again on a resumed connection. 1012 (service restart) is a gateway with
+    a session store that handed its sessions over as it stops: resume, on another one.
     """
-    return rcvd is None and (sent is None or sent.code == _KEEPALIVE_TIMEOUT)
+    if rcvd is not None:
+        return rcvd.code == _SERVICE_RESTART
+    return sent is None or sent.code == _KEEPALIVE_TIMEOUT
 
 
 def backoff(

@@ -183,12 +183,13 @@ async function connect() {
 /**
  * What the end of a socket that was open means for the session. A server going away (1001:
  * shutdown or restart) or handing the session to another socket (4001) has ended it here;
- * any other end (a network drop: 1006) leaves it on the server for a while, to resume.
+ * any other end (a network drop: 1006; 1012, a gateway with a session store restarting, which
+ * handed the session to the others) leaves it on the server for a while, to resume.
  */
 function onConnectionLost(ev) {
   // 1000/1001/4001: the label says so; 1005/1006: no reason to show. Anything else (too
   // many sessions, a policy) is the server's word to us.
-  if (![1000, 1001, 1005, 1006, 4001].includes(ev.code)) {
+  if (![1000, 1001, 1005, 1006, 1012, 4001].includes(ev.code)) {
     const reason = ev.reason || "no reason given";
     showError(`The server closed the connection: ${reason} (${ev.code})`, "connection");
   }
