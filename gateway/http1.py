@@ -103,12 +103,21 @@ class HttpReply:
     outlive the client belongs to a task someone else owns.
     """
 
-    __slots__ = ("_connection", "_head_only", "_over", "disconnected", "ended", "status")
+    __slots__ = (
+        "_chunked",
+        "_connection",
+        "_head_only",
+        "_over",
+        "disconnected",
+        "ended",
+        "status",
+    )
 
     def __init__(self, connection: HttpConnection, *, head_only: bool) -> None:
         self._connection = connection
         self._head_only = head_only
         self._over = False  # the handler has returned: this reply may write no more
+        self._chunked = False  # h11 chose chunked framing for this response's body
         self.status: int | None = None
         self.ended = False
         self.disconnected = asyncio.Event()
@@ -128,6 +137,12 @@ class HttpReply:
 
     def write(self, data: bytes) -> None:
         if not data or self._head_only or self.disconnected.is_set():
+            return
+        if self._chunked:
+            # A stream writes once per event (per token, over SSE): the chunk framing
+            # h11 would make, without the trip through its state machine (it checks
+            # nothing about chunks, and frames the last one at end()).
+            self._write(b"%x\r\n%b\r\n" % (len(data), data))
             return
         self._write(self._connection.emit(h11.Data(data=data)))
 
@@ -177,6 +192,7 @@ class HttpReply:
             h11.Response(status_code=status, headers=fields, reason=_reason(status))
         )
         self.status = status
+        self._chunked = b"transfer-encoding: chunked" in data.lower()
         return data
 
     def _write(self, data: bytes) -> None:

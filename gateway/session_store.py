@@ -47,6 +47,29 @@ log = logging.getLogger(__name__)
 PREFIX = "llmgw:"
 LEASE_SECONDS = 3.0
 MAX_CONNECTIONS = 256
+# Every frame a loop turn logged, for every session, in one command: a command (or even
+# an argument) per frame would cost the gateway more CPU than the frame itself. KEYS: the
+# logs; ARGV: the key TTL, then per key the first frame's number and the frames joined by
+# newlines (a JSON text has none of its own). Numbers run on with no gap within a key.
+_APPEND = """
+local at = 2
+for k = 1, #KEYS do
+  local seq = tonumber(ARGV[at])
+  local blob = ARGV[at + 1]
+  at = at + 2
+  local start = 1
+  while true do
+    local stop = string.find(blob, "\\n", start, true)
+    local last = stop and stop - 1 or -1
+    redis.pcall('xadd', KEYS[k], seq .. '-1', 'f', string.sub(blob, start, last))
+    seq = seq + 1
+    if not stop then break end
+    start = stop + 1
+  end
+  redis.call('pexpire', KEYS[k], ARGV[1])
+end
+return 0
+"""
 _RENEW = """
 if redis.call('get', KEYS[1]) == ARGV[1] then
   redis.call('pexpire', KEYS[1], ARGV[2])
@@ -134,6 +157,7 @@ class RedisStore:
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
         self._renew: Any = None
+        self._append: Any = None
 
     @property
     def key_ttl_ms(self) -> int:
@@ -143,6 +167,7 @@ class RedisStore:
     async def start(self) -> None:
         """Connect (a Redis that is down now is retried in the background)."""
         self._renew = self.client.register_script(_RENEW)
+        self._append = self.client.register_script(_APPEND)
         with contextlib.suppress(RedisError, OSError):
             await self.client.ping()
             self._set_up(True)
@@ -321,17 +346,24 @@ class RedisStore:
     ) -> None:
         ttl = self.key_ttl_ms
         pipe = self.client.pipeline(transaction=False)
+        logs: list[str] = []
+        frames: list[Any] = [ttl]
+        for session_id, p in pending.items():
+            if p.frames and not p.forget:
+                # An id not above the stream's top (a frame a takeover's process wrote
+                # already) is refused alone (pcall): the others still go in.
+                logs.append(log_key(session_id))
+                blob = b"\n".join(frame for _, frame in p.frames)
+                frames += (p.frames[0][0], blob)
+                self.buffered_bytes -= len(blob) - len(p.frames) + 1
+        if logs:
+            await self._append(keys=logs, args=frames, client=pipe)
         for session_id, p in pending.items():
             if p.forget:
                 pipe.delete(state_key(session_id), log_key(session_id), owner_key(session_id))
                 continue
             if p.state is not None:
                 pipe.set(state_key(session_id), p.state(), px=ttl)
-            for seq, frame in p.frames:
-                pipe.xadd(log_key(session_id), {"f": frame}, id=f"{seq}-1")
-                self.buffered_bytes -= len(frame)
-            if p.frames:
-                pipe.pexpire(log_key(session_id), ttl)
             if p.trim_before is not None:
                 pipe.xtrim(log_key(session_id), minid=f"{p.trim_before}-0")
             if session_id in self._owned:
@@ -347,8 +379,6 @@ class RedisStore:
             else:
                 pipe.set(response_key(response_id), data, px=max(1, int(1000 * seconds)))
         if len(pipe):
-            # Entries of a frame already written by a takeover's process (an id not above
-            # the stream's top) are refused one by one: the others still go in.
             await pipe.execute(raise_on_error=False)
 
     async def _renewer(self) -> None:

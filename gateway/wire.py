@@ -83,9 +83,17 @@ class SocketWire:
         self._send(frame)
 
     def _release(self) -> None:
+        """The held frames, framed one by one but written to the transport at once."""
         held, self._held = self._held, []
-        for frame in held:
-            self._send(frame)
+        if not held:
+            return
+        try:
+            for frame in held:
+                self._protocol.send_text(frame)
+                self._sent_bytes += len(frame)
+        except InvalidState:  # closing or gone: the frames stay in the replay buffer only
+            return
+        self._ws.send_data()
 
     def _send(self, frame: bytes) -> None:
         try:

@@ -19,6 +19,7 @@ from sessions.conversation import Item
 
 _ITEM_BYTES = 200  # an Item and its strings' headers, roughly
 _REFERENCE_BYTES = 8  # a history shares its items with its predecessor's
+_BODY_BYTES = 1024  # a Response object's fields beside its output
 
 
 @dataclass(eq=False, slots=True)
@@ -33,8 +34,11 @@ class StoredResponse:
     size: int = field(default=0)
 
     def __post_init__(self) -> None:
+        # The body repeats the output's text; its other fields are a few hundred bytes.
         own = sum(len(i.text) + _ITEM_BYTES for i in self.input_items)
-        self.size = own + _REFERENCE_BYTES * len(self.history) + len(str(self.body))
+        outputs = self.history[len(self.history) - len(self.body.get("output") or ()) :]
+        output = sum(len(i.text) + _ITEM_BYTES for i in outputs)
+        self.size = own + output + _REFERENCE_BYTES * len(self.history) + _BODY_BYTES
 
 
 class ResponseStore:

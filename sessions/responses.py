@@ -45,8 +45,10 @@ MAX_LANES = 32
 MAX_WAITING = 1024  # turns waiting for a lane or a slot, per connection (memory bound)
 MAX_PENDING_STEERS = 8
 
-_DELTA_HEAD = b'{"type":"response.output_text.delta","sequence_number":%d'
-_DELTA_TAIL = b',"output_index":0,"content_index":0,"logprobs":[],"delta":%b}'
+_DELTA = (
+    b'{"type":"response.output_text.delta","sequence_number":%d%b'
+    b',"output_index":0,"content_index":0,"logprobs":[],"delta":%b}'
+)
 
 
 class ResponsesFraming:
@@ -66,7 +68,7 @@ class ResponsesFraming:
         return ids + b',"stream_id":%b' % orjson.dumps(stream_id) if stream_id else ids
 
     def delta(self, seq: int, ids: bytes, text: str) -> bytes:
-        return _DELTA_HEAD % seq + ids + _DELTA_TAIL % orjson.dumps(text)
+        return _DELTA % (seq, ids, orjson.dumps(text))
 
 
 @dataclass(eq=False, slots=True)

@@ -103,6 +103,7 @@ class GatewayProcess:
             self.log.append(line)
             found = re.search(r"chat page http://(127\.0\.0\.1:\d+)/", line)
         self.address = found.group(1)
+        self.terminated = False
         self._drain = asyncio.get_running_loop().run_in_executor(None, self._read_log)
 
     def _read_log(self) -> None:
@@ -113,12 +114,17 @@ class GatewayProcess:
     def url(self, path: str = "/v1/realtime") -> str:
         return f"ws://{self.address}{path}"
 
+    def terminate(self) -> None:
+        self.terminated = True
+        self.process.send_signal(signal.SIGTERM)
+
     def kill(self) -> None:
         self.process.kill()
         self.process.wait(TIMEOUT)
 
     async def stop(self) -> int:
-        if self.process.poll() is None:
+        """SIGTERM (unless it was sent already) and the exit code."""
+        if self.process.poll() is None and not self.terminated:
             self.process.terminate()
         code = await asyncio.to_thread(self.process.wait, TIMEOUT)
         await self._drain
@@ -271,7 +277,7 @@ async def test_sigterm_drains_then_every_client_resumes_on_the_other_gateway(
         await asyncio.gather(*(c.open(a.url()) for c in chats))
         await asyncio.gather(*(c.ask(f"question {i}") for i, c in enumerate(chats)))
         await asyncio.gather(*(c.deltas(2) for c in chats))
-        a.process.send_signal(signal.SIGTERM)
+        a.terminate()
 
         async def until_closed(chat: Chat) -> int | None:
             with contextlib.suppress(Exception):
@@ -282,7 +288,7 @@ async def test_sigterm_drains_then_every_client_resumes_on_the_other_gateway(
 
         codes = await asyncio.gather(*(until_closed(c) for c in chats))
         assert set(codes) == {1012}
-        assert await a.stop() == 0
+        assert await a.stop() == 0, a.log[-10:]
         started = time.perf_counter()
         answers = await asyncio.gather(*(c.resume(b.url()) for c in chats))
         resumed_in = time.perf_counter() - started
@@ -457,7 +463,7 @@ async def test_gateway_client_rides_a_rolling_restart_of_two_gateways(
                         # Restart the gateway that holds the session: SIGTERM, a new one.
                         holder = first if turn == 0 else second
                         assert holder is not None
-                        holder.process.send_signal(signal.SIGTERM)
+                        holder.terminate()
                         restarted.append(holder)
                 assert stream.reply is not None and stream.reply.status == "completed"
                 assert "".join(deltas) == stream.reply.text
