@@ -251,53 +251,46 @@ def rps(rounds: int, seconds: float) -> dict[str, Any]:
     return {k: summary(v) for k, v in out.items()}
 
 
+async def _first_delta(ws: Any, ask: dict[str, Any]) -> float:
+    """Seconds from sending ``ask`` to its first text delta (read to its end)."""
+    started = time.perf_counter()
+    await ws.send(orjson.dumps({"type": "response.create", **ask}).decode())
+    first = 0.0
+    while True:
+        event = orjson.loads(await ws.recv())
+        if event["type"] == "response.output_text.delta" and not first:
+            first = time.perf_counter() - started
+        if event["type"] in ("response.completed", "response.incomplete"):
+            return first
+
+
+QUESTION = {"max_output_tokens": 8, "temperature": 0}
+
+
 async def _warm_then_ask(url: str, prefix: str) -> float:
+    """``generate: false`` with the prefix, then the question alone, continuing it."""
     async with connect(url, max_size=None) as ws:
         warm = {"type": "response.create", "input": prefix, "generate": False, "temperature": 0}
         await ws.send(orjson.dumps(warm).decode())
         while True:
             event = orjson.loads(await ws.recv())
             if event["type"] == "response.completed":
-                previous = event["response"]["id"]
                 break
-        started = time.perf_counter()
         ask = {
-            "type": "response.create",
             "input": "Summarise it in one line.",
-            "previous_response_id": previous,
-            "max_output_tokens": 8,
-            "temperature": 0,
+            "previous_response_id": event["response"]["id"],
         }
-        await ws.send(orjson.dumps(ask).decode())
-        first = 0.0
-        while True:
-            event = orjson.loads(await ws.recv())
-            if event["type"] == "response.output_text.delta" and not first:
-                first = time.perf_counter() - started
-            if event["type"] in ("response.completed", "response.incomplete"):
-                return first
+        return await _first_delta(ws, {**ask, **QUESTION})
 
 
 async def _cold(url: str, prefix: str) -> float:
+    """The prefix and the question in one turn, on a new connection (a cold slot)."""
     async with connect(url, max_size=None) as ws:
-        started = time.perf_counter()
-        ask = {
-            "type": "response.create",
-            "max_output_tokens": 8,
-            "temperature": 0,
-            "input": [
-                {"role": "user", "content": prefix},
-                {"role": "user", "content": "Summarise it in one line."},
-            ],
-        }
-        await ws.send(orjson.dumps(ask).decode())
-        first = 0.0
-        while True:
-            event = orjson.loads(await ws.recv())
-            if event["type"] == "response.output_text.delta" and not first:
-                first = time.perf_counter() - started
-            if event["type"] in ("response.completed", "response.incomplete"):
-                return first
+        turns = [
+            {"role": "user", "content": prefix},
+            {"role": "user", "content": "Summarise it in one line."},
+        ]
+        return await _first_delta(ws, {"input": turns, **QUESTION})
 
 
 def warmup(rounds: int) -> dict[str, Any]:

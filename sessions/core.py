@@ -617,13 +617,3 @@ class Session:
 def item_status(outcome: Outcome) -> str:
     """The status of a response's output items: only a natural end completes them."""
     return "completed" if outcome.status == "completed" else "incomplete"
-
-
-def output_order(r: ResponseState) -> list[tuple[int, CallState | None]]:
-    """``r``'s output items in output order: (index, None) is its message."""
-    items: list[tuple[int, CallState | None]] = []
-    if r.text_index is not None:
-        items.append((r.text_index, None))
-    items += [(call.output_index, call) for call in r.calls.values()]
-    items.sort(key=lambda entry: entry[0])
-    return items
