@@ -6,10 +6,15 @@ has connected, then sends one "go" with a shared start time (``perf_counter`` is
 CLOCK_MONOTONIC on Linux, the same clock in every process), so the measurement
 window is the same in every worker and in the parent that samples the server's CPU.
 
-Two targets speak the same turns: ``("ws", url)`` (the gateway, or the bare
-websockets server, over the Realtime protocol) and ``("engine", params)`` (the
-SimEngine in the worker process itself, driven directly (EngineDriver): the
-bare-engine baseline, no network, no gateway).
+The targets speak the same turns: ``("ws", url)`` (the gateway, or the bare
+websockets server, over the Realtime protocol), ``("responses", url)`` (the
+gateway's Responses WebSocket dialect at ``/v1/responses``: one ``response.create``
+per turn, on one lane or, with ``Workload.lanes``, on that many named lanes of one
+connection), ``("http", base_url)`` (``POST /v1/responses`` over keep-alive HTTP/1.1,
+streamed as server-sent events or answered as one JSON ``Response``: the gateway
+or bench/fastapi_sse_server.py) and ``("engine", params)`` (the SimEngine in the
+worker process itself, driven directly (EngineDriver): the bare-engine baseline,
+no network, no gateway).
 
 Every loop is bounded: by the window, by ``max_turns`` per session, and by
 ``turn_timeout`` per turn; whatever is still open at the end is cancelled.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import multiprocessing as mp
 import os
 import random
@@ -53,6 +59,14 @@ class Workload:
     turn_timeout: float = 30.0
     drain: float = 10.0  # after the window, how long open turns may take to finish
     prompt: str = "Tell me about streaming gateways."
+    # The Responses targets. lanes: 0, one unnamed lane per connection; N, N named lanes
+    # (stream_id l0..) per connection, each a session of its own that runs its turns back
+    # to back, all N at once. chain: each turn continues the session's previous response
+    # (previous_response_id; over HTTP only with store). stream: HTTP answers as SSE.
+    lanes: int = 0
+    chain: bool = True
+    store: bool = False
+    stream: bool = True
 
 
 @dataclass
@@ -224,6 +238,357 @@ class WsSession:
                     return
 
 
+def _local_addr(index: int) -> tuple[str, int]:
+    """Source addresses 127.0.0.2-17: thousands of connections never run out of ports."""
+    return (f"127.0.0.{2 + index % 16}", 0)
+
+
+_TERMINAL = ("response.completed", "response.incomplete", "response.failed")
+_LATE_CANCEL = ("response_not_found", "response_cancel_not_active")
+
+
+@dataclass
+class _ResponsesTurn(_Turn):
+    """A Responses turn: what its events say, the same whether they came over a WebSocket
+    or as server-sent events."""
+
+    cancel_k: int = 0
+    created: bool = False
+    response_id: str = ""
+
+    def on_event(self, event: dict[str, Any], t: float, win: Window, tally: Tally) -> str | None:
+        """Account for one event; what the caller must do next: "cancel" (the turn
+        reached its cancel point), "done" (the response ended, or was refused), or None."""
+        kind = event["type"]
+        if kind == "response.output_text.delta":
+            delta = event["delta"]
+            self.parts.append(delta)
+            if t in win:
+                tally.delta_frames += 1
+                tally.chars += len(delta)
+            if not self.first:
+                self.first = t
+            elif self.record:
+                tally.gaps.append(t - self.last)
+            self.last = t
+            if self.cancel_k and len(self.parts) == self.cancel_k:
+                self.cancel_at = now()
+                return "cancel"
+        elif kind == "response.created":
+            self.created = True
+            self.response_id = event["response"]["id"]
+        elif kind == "response.output_text.done":
+            self.final_text = event["text"]
+        elif kind in _TERMINAL:
+            response = event["response"]
+            if kind == "response.failed":
+                error = response.get("error") or {}
+                tally.errors[error.get("code") or "failed"] += self.record
+            tokens = (response.get("usage") or {}).get("output_tokens", 0)
+            _finish_turn(tally, self, response["status"], tokens, t)
+            return "done"
+        elif kind == "error":
+            code = event["error"]["code"]
+            if code in _LATE_CANCEL:
+                # A cancel that crossed the previous response's end on the wire: that
+                # response is over, this turn's goes on.
+                tally.status["late_cancel"] += 1
+                return None
+            tally.errors[code] += 1
+            if not self.created:  # refused (overloaded, a bad request): no response comes
+                if self.record:
+                    tally.status["refused"] += 1
+                return "done"
+        return None
+
+
+class _LaneMux:
+    """One Responses connection shared by several lanes: a reader task hands each event to
+    its lane's queue (by ``stream_id``), stamped with the time it arrived."""
+
+    def __init__(self, ws: Any) -> None:
+        self.ws = ws
+        self.queues: dict[str, asyncio.Queue[tuple[float, dict[str, Any]] | None]] = {}
+        self.task = asyncio.get_running_loop().create_task(self._read())
+
+    def lane(self, stream_id: str) -> asyncio.Queue[tuple[float, dict[str, Any]] | None]:
+        queue: asyncio.Queue[tuple[float, dict[str, Any]] | None] = asyncio.Queue()
+        self.queues[stream_id] = queue
+        return queue
+
+    async def _read(self) -> None:
+        try:
+            async for frame in self.ws:
+                t = now()
+                event = orjson.loads(frame)
+                queue = self.queues.get(event.get("stream_id", ""))
+                if queue is not None:
+                    queue.put_nowait((t, event))
+        except Exception:
+            pass
+        finally:
+            for queue in self.queues.values():
+                queue.put_nowait(None)  # the connection is gone: every lane's turn fails
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.ws.close()
+        self.task.cancel()
+        with contextlib.suppress(BaseException):
+            await self.task
+
+
+class ResponsesSession:
+    """The Responses WebSocket dialect (``/v1/responses``): one ``response.create`` per
+    turn, continuing the previous response (``previous_response_id``) when the workload
+    chains. Alone on its connection it reads the socket itself; as one of several lanes
+    (``stream_id``) it reads its queue of a shared connection (:class:`_LaneMux`)."""
+
+    def __init__(
+        self, ws: Any, index: int, mux: _LaneMux | None = None, stream_id: str = ""
+    ) -> None:
+        self.ws = ws
+        self.index = index
+        self.turns = 0
+        self.previous: str | None = None
+        self.mux = mux
+        self.stream_id = stream_id
+        self.queue = mux.lane(stream_id) if mux is not None else None
+
+    @staticmethod
+    async def connect(url: str, index: int) -> Any:
+        from websockets.asyncio.client import connect
+
+        return await connect(
+            url,
+            compression=None,
+            max_size=None,
+            ping_interval=None,
+            open_timeout=60,
+            close_timeout=2,
+            local_addr=_local_addr(index),
+        )
+
+    @classmethod
+    async def open(cls, url: str, index: int) -> ResponsesSession:
+        return cls(await cls.connect(url, index), index)
+
+    async def close(self) -> None:
+        if self.mux is not None:
+            await self.mux.close()  # the first lane closes it; the others find it closed
+            return
+        with contextlib.suppress(Exception):
+            await self.ws.close()
+
+    async def _next(self) -> tuple[float, dict[str, Any]]:
+        if self.queue is None:
+            frame = await self.ws.recv()
+            return now(), orjson.loads(frame)
+        item = await self.queue.get()
+        if item is None:
+            raise ConnectionError("the connection closed")
+        return item
+
+    async def turn(
+        self, w: Workload, win: Window, tally: Tally, rng: random.Random, record: bool
+    ) -> None:
+        self.turns += 1
+        body: dict[str, Any] = {
+            "type": "response.create",
+            "input": f"{w.prompt} (session {self.index}, turn {self.turns})",
+            "store": w.store,
+        }
+        if self.stream_id:
+            body["stream_id"] = self.stream_id
+        if w.chain and self.previous:
+            body["previous_response_id"] = self.previous
+        cancel_k = rng.randint(*w.cancel_after) if w.cancel_after else 0
+        turn = _ResponsesTurn(now(), record, cancel_k=cancel_k)
+        await self.ws.send(orjson.dumps(body).decode())
+        while True:
+            t, event = await self._next()
+            tally.frames += t in win
+            action = turn.on_event(event, t, win, tally)
+            if action == "done":
+                ended = event["type"] in _TERMINAL and event["response"]["status"] != "failed"
+                # Refused or failed: the next turn starts a new conversation.
+                self.previous = turn.response_id if ended else None
+                return
+            if action == "cancel":
+                cancel = {"type": "response.cancel", "response_id": turn.response_id}
+                await self.ws.send(orjson.dumps(cancel).decode())
+
+
+class HttpSession:
+    """``POST /v1/responses`` on one keep-alive HTTP/1.1 connection, a request per turn:
+    with ``stream`` the answer is ``text/event-stream`` (chunked), each event read as it
+    arrives; without, one JSON ``Response`` (its time to first token is its whole time).
+    A small client of its own (no httpx): the load generator must cost little CPU."""
+
+    def __init__(self, host: str, port: int, index: int) -> None:
+        self.host = host
+        self.port = port
+        self.index = index
+        self.turns = 0
+        self.previous: str | None = None
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.buffer = b""
+
+    @classmethod
+    async def open(cls, base_url: str, index: int) -> HttpSession:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(base_url)
+        session = cls(parts.hostname or "127.0.0.1", parts.port or 80, index)
+        await session._connect()
+        return session
+
+    async def _connect(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(
+            self.host, self.port, local_addr=_local_addr(self.index), limit=1 << 20
+        )
+        self.buffer = b""
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(Exception):
+                await self.writer.wait_closed()
+            self.writer = None
+
+    async def _more(self) -> float:
+        assert self.reader is not None
+        data = await self.reader.read(1 << 16)
+        if not data:
+            raise ConnectionError("the server closed the connection")
+        self.buffer += data
+        return now()
+
+    async def _head(self) -> tuple[int, dict[bytes, bytes]]:
+        while (end := self.buffer.find(b"\r\n\r\n")) < 0:
+            await self._more()
+        head, self.buffer = self.buffer[:end], self.buffer[end + 4 :]
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split(b" ", 2)[1])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            headers[name.strip().lower()] = value.strip().lower()
+        return status, headers
+
+    async def _body(self, headers: dict[bytes, bytes]) -> tuple[float, bytes]:
+        """A whole body (Content-Length or chunked) and when its last byte came."""
+        t = now()
+        if headers.get(b"transfer-encoding") == b"chunked":
+            parts = []
+            async for arrived, chunk in self._chunks():
+                parts.append(chunk)
+                t = arrived
+            return t, b"".join(parts)
+        length = int(headers.get(b"content-length", b"0"))
+        while len(self.buffer) < length:
+            t = await self._more()
+        body, self.buffer = self.buffer[:length], self.buffer[length:]
+        return t, body
+
+    async def _chunks(self) -> Any:
+        """Each chunk of a chunked body as it arrives: (the time its read returned, bytes)."""
+        t = now()
+        while True:
+            while (eol := self.buffer.find(b"\r\n")) < 0:
+                t = await self._more()
+            size = int(self.buffer[:eol].split(b";", 1)[0], 16)
+            if size == 0:
+                while len(self.buffer) < eol + 4:  # the empty trailer's CRLF
+                    t = await self._more()
+                self.buffer = self.buffer[eol + 4 :]
+                return
+            end = eol + 2 + size
+            while len(self.buffer) < end + 2:
+                t = await self._more()
+            chunk, self.buffer = self.buffer[eol + 2 : end], self.buffer[end + 2 :]
+            yield t, chunk
+
+    async def turn(
+        self, w: Workload, win: Window, tally: Tally, rng: random.Random, record: bool
+    ) -> None:
+        if w.cancel_after:
+            raise NotImplementedError("cancel over HTTP (a disconnect) is not driven")
+        if self.writer is None:
+            await self._connect()
+        assert self.writer is not None
+        self.turns += 1
+        body: dict[str, Any] = {
+            "input": f"{w.prompt} (session {self.index}, turn {self.turns})",
+            "stream": w.stream,
+            "store": w.store,
+        }
+        if w.chain and w.store and self.previous:
+            body["previous_response_id"] = self.previous
+        payload = orjson.dumps(body)
+        request = (
+            b"POST /v1/responses HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (self.host.encode(), len(payload), payload)
+        )
+        turn = _ResponsesTurn(now(), record)
+        self.writer.write(request)
+        try:
+            status, headers = await self._head()
+            if status != 200:
+                _, raw = await self._body(headers)
+                code = f"http_{status}"
+                with contextlib.suppress(Exception):
+                    code = orjson.loads(raw)["error"].get("code") or code
+                tally.errors[code] += 1
+                if record and status in (429, 503):
+                    tally.status["refused"] += 1
+            elif headers.get(b"content-type", b"").startswith(b"text/event-stream"):
+                await self._events(turn, win, tally)
+            else:
+                t, raw = await self._body(headers)
+                self._whole(turn, orjson.loads(raw), t, win, tally)
+            if headers.get(b"connection") == b"close":
+                await self.close()
+        except BaseException:
+            await self.close()  # a turn cut short leaves the connection mid-answer
+            raise
+
+    async def _events(self, turn: _ResponsesTurn, win: Window, tally: Tally) -> None:
+        pending = b""
+        async for t, chunk in self._chunks():
+            pending += chunk
+            while (end := pending.find(b"\n\n")) >= 0:
+                block, pending = pending[:end], pending[end + 2 :]
+                data = block.find(b"data: ")
+                if data < 0:
+                    continue
+                event = orjson.loads(block[data + 6 :])
+                tally.frames += t in win
+                if turn.on_event(event, t, win, tally) == "done" and event["type"] in _TERMINAL:
+                    self.previous = turn.response_id
+
+    def _whole(
+        self, turn: _ResponsesTurn, response: dict[str, Any], t: float, win: Window, tally: Tally
+    ) -> None:
+        text = "".join(
+            part.get("text", "")
+            for item in response.get("output") or []
+            if item.get("type") == "message"
+            for part in item.get("content") or []
+        )
+        turn.parts.append(text)
+        turn.first = turn.last = t
+        turn.final_text = text
+        if t in win:
+            tally.frames += 1
+            tally.delta_frames += 1
+            tally.chars += len(text)
+        tokens = (response.get("usage") or {}).get("output_tokens", 0)
+        self.previous = response.get("id")
+        _finish_turn(tally, turn, response["status"], tokens, t)
+
+
 class EngineSession:
     """The bare-engine baseline: the same turns straight into the engine (an EngineDriver)."""
 
@@ -295,11 +660,13 @@ def raise_nofile() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-Target = tuple[str, Any]  # ("ws", url) or ("engine", SimEngine keyword arguments)
+# ("ws", url), ("responses", url), ("http", base_url) or ("engine", SimEngine keyword
+# arguments)
+Target = tuple[str, Any]
 
 
 async def _open_sessions(
-    target: Target, indices: list[int], tally: Tally
+    target: Target, w: Workload, indices: list[int], tally: Tally
 ) -> tuple[list[Any], Callable[[], Awaitable[None]]]:
     kind, arg = target
     if kind == "engine":
@@ -318,16 +685,35 @@ async def _open_sessions(
         return [EngineSession(driver, i) for i in indices], close
 
     gate = asyncio.Semaphore(64)  # handshakes in flight per worker
+    opener: Callable[[str, int], Awaitable[Any]] = {
+        "ws": WsSession.open,
+        "responses": ResponsesSession.open,
+        "http": HttpSession.open,
+    }[kind]
 
-    async def one(i: int) -> WsSession | None:
+    async def one(i: int) -> Any:
         async with gate:
             try:
-                return await WsSession.open(arg, i)
+                return await opener(arg, i)
             except Exception:
                 return None
 
-    opened = await asyncio.gather(*(one(i) for i in indices))
-    sessions = [s for s in opened if s is not None]
+    async def lanes(group: list[int]) -> list[ResponsesSession]:
+        """One connection, a lane (l0, l1, ...) of it per index of ``group``."""
+        async with gate:
+            try:
+                ws = await ResponsesSession.connect(arg, group[0])
+            except Exception:
+                return []
+        mux = _LaneMux(ws)
+        return [ResponsesSession(ws, i, mux, f"l{i % w.lanes}") for i in group]
+
+    if kind == "responses" and w.lanes:
+        groups = [[i for i in indices if i // w.lanes == c] for c in _groups(indices, w)]
+        sessions = [s for lane in await asyncio.gather(*map(lanes, groups)) for s in lane]
+    else:
+        opened = await asyncio.gather(*(one(i) for i in indices))
+        sessions = [s for s in opened if s is not None]
     tally.connected = len(sessions)
     tally.connect_failed = len(indices) - len(sessions)
 
@@ -335,6 +721,28 @@ async def _open_sessions(
         return None
 
     return sessions, nothing
+
+
+def _groups(indices: list[int], w: Workload) -> list[int]:
+    """The connections ``indices`` fall in, ``w.lanes`` sessions to a connection."""
+    return sorted({i // w.lanes for i in indices})
+
+
+def _shares(w: Workload, workers: int) -> list[list[int]]:
+    """The session indices each worker holds: round robin, or whole connections of lanes
+    (a connection's lanes in one worker; a worker may get none)."""
+    if not w.lanes:
+        return [list(range(k, w.sessions, workers)) for k in range(workers)]
+    connections = range(math.ceil(w.sessions / w.lanes))
+    return [
+        [
+            i
+            for c in connections[k::workers]
+            for i in range(c * w.lanes, (c + 1) * w.lanes)
+            if i < w.sessions
+        ]
+        for k in range(workers)
+    ]
 
 
 async def _guarded_turn(
@@ -396,7 +804,7 @@ async def _open_loop(
 
 async def _worker(conn: Connection, target: Target, w: Workload, indices: list[int]) -> None:
     tally = Tally()
-    sessions, close_target = await _open_sessions(target, indices, tally)
+    sessions, close_target = await _open_sessions(target, w, indices, tally)
     conn.send(("ready", tally.connected, tally.connect_failed))
     message = await asyncio.to_thread(conn.recv)
     if w.mode == "idle":
@@ -416,7 +824,9 @@ async def _worker(conn: Connection, target: Target, w: Workload, indices: list[i
     tasks = [asyncio.ensure_future(c) for c in work]
     cpu = _CpuWindow(win)
     cpu_task = asyncio.ensure_future(cpu.run())
-    _, pending = await asyncio.wait(tasks, timeout=win.end + w.drain - now())
+    pending: set[asyncio.Future[None]] = set()
+    if tasks:  # a worker may hold no session (every lane of a connection is in another)
+        _, pending = await asyncio.wait(tasks, timeout=win.end + w.drain - now())
     for task in pending:
         task.cancel()
     tally.unfinished = len(pending)
@@ -490,7 +900,7 @@ def run_load(
     from bench.procs import cpu_seconds, machine_busy_seconds
 
     ctx = mp.get_context("spawn")
-    shares = [list(range(k, w.sessions, workers)) for k in range(workers)]
+    shares = _shares(w, workers)
     pipes, procs = [], []
     for share in shares:
         parent, child = ctx.Pipe()
