@@ -50,6 +50,11 @@ class Server:
         return f"ws://127.0.0.1:{self.port}/v1/realtime"
 
     @property
+    def responses_url(self) -> str:
+        """The gateway's Responses WebSocket dialect, beside the Realtime one."""
+        return f"ws://127.0.0.1:{self.port}/v1/responses"
+
+    @property
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
@@ -169,3 +174,28 @@ def sse_server_argv(*, response_tokens: int, loop: str) -> list[str]:
         "--loop",
         loop,
     ]
+
+
+def fastapi_server_argv(
+    *, step_ms: float, response_tokens: int, loop: str, http: str = "h11"
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "bench.fastapi_sse_server",
+        "--step-ms",
+        str(step_ms),
+        "--response-tokens",
+        str(response_tokens),
+        "--loop",
+        loop,
+        "--http",
+        http,
+    ]
+
+
+def httptools_installed() -> bool:
+    """Whether uvicorn's httptools parser is there (uvicorn[standard]; not in the extra)."""
+    import importlib.util
+
+    return importlib.util.find_spec("httptools") is not None
