@@ -11,6 +11,13 @@ Every figure of the gateway is measured beside its baselines in the same run:
 - ``upstream``: ``python -m gateway --engine upstream`` in front of
   bench/sse_server.py (another process streaming OpenAI chat-completion chunks
   as fast as it can, one token per chunk).
+- ``responses``: the same gateway process as ``gateway``, the client speaking the
+  Responses WebSocket dialect (``/v1/responses``) instead of the Realtime one.
+- ``http``: the same gateway, ``POST /v1/responses`` over keep-alive HTTP/1.1
+  (``stream: true``: server-sent events; or a JSON ``Response``).
+- ``fastapi`` / ``fastapi-httptools``: bench/fastapi_sse_server.py, a FastAPI +
+  uvicorn endpoint answering the same Responses events on the sim's step clock
+  and words, no gateway logic (uvicorn's h11 parser, or httptools where installed).
 
 Servers and load generators run on the event loop ``--loop`` names (default:
 the gateway's default, uvloop where installed); a system written ``NAME@asyncio``
@@ -18,9 +25,14 @@ runs on asyncio's loop instead, to show what the loop is worth. Every row
 records its loop.
 
 The scenarios: latency against load (sweep), one token per frame (the sim flat
-out), the upstream path, capacity (sessions at 20 ms steps with inter-token gap
-p99 <= 30 ms), throughput, saturated, cancel, open loop and idle memory; see
-docs/performance.md. Results go to ``bench/results/latest.md`` (tables),
+out; Realtime and Responses dialects), the upstream path, capacity (sessions at
+20 ms steps with inter-token gap p99 <= 30 ms), throughput, saturated, cancel,
+open loop, idle memory, lanes (16 lanes of one Responses connection against 1),
+http (the Responses API over SSE beside the WebSocket and FastAPI + uvicorn), rps
+(short non-streaming answers per second) and, on llama.cpp, warmup (bench/warmup.py:
+``generate: false`` against a cold prompt); see docs/performance.md.
+``--only NAME`` (repeatable) runs some of them and merges their rows into the
+``latest.json`` already there. Results go to ``bench/results/latest.md`` (tables),
 ``latest.json`` (every figure) and ``latency.png``; ``--profile`` also samples
 the gateway with py-spy under the one-token-per-frame load, on the sim engine
 and on the upstream path (``profile-*.txt``).
@@ -46,7 +58,9 @@ from typing import Any
 from bench.loadgen import LoadResult, Target, Workload, raise_nofile, run_load
 from bench.procs import (
     bare_server_argv,
+    fastapi_server_argv,
     gateway_argv,
+    httptools_installed,
     rss_bytes,
     server_process,
     sse_server_argv,
@@ -75,6 +89,10 @@ SYSTEMS = {
     "gateway": "gateway",
     "gateway-nc": "gateway --no-coalesce",
     "upstream": "gateway --engine upstream, in front of bench/sse_server.py",
+    "responses": "gateway, Responses WebSocket dialect",
+    "http": "gateway, POST /v1/responses",
+    "fastapi": "FastAPI + uvicorn (h11), bench/fastapi_sse_server.py",
+    "fastapi-httptools": "FastAPI + uvicorn (httptools), bench/fastapi_sse_server.py",
 }
 
 
@@ -120,6 +138,17 @@ def serving(system: str, engine: Engine, loop: str) -> Iterator[Serving]:
                     also_sample=[upstream.pid],
                 )
         return
+    if name.startswith("fastapi"):
+        argv = fastapi_server_argv(
+            step_ms=engine.step_ms,
+            response_tokens=engine.response_tokens,
+            loop=loop,
+            http="httptools" if name == "fastapi-httptools" else "h11",
+        )
+        with server_process(argv) as server:
+            http: Target = ("http", server.http_url)
+            yield Serving(http, server.pid, workers=2, loop=loop, http_get=server.get)
+        return
     if name == "bare":
         argv = bare_server_argv(
             step_ms=engine.step_ms, response_tokens=engine.response_tokens, loop=loop
@@ -133,7 +162,12 @@ def serving(system: str, engine: Engine, loop: str) -> Iterator[Serving]:
             loop=loop,
         )
     with server_process(argv) as server:
-        yield Serving(("ws", server.ws_url), server.pid, workers=2, loop=loop, http_get=server.get)
+        target: Target = ("ws", server.ws_url)
+        if name == "responses":
+            target = ("responses", server.responses_url)
+        elif name == "http":
+            target = ("http", server.http_url)
+        yield Serving(target, server.pid, workers=2, loop=loop, http_get=server.get)
 
 
 def load(s: Serving, w: Workload, **kwargs: Any) -> LoadResult:
@@ -159,6 +193,7 @@ def summarize(scenario: str, system: str, w: Workload, r: LoadResult, s: Serving
         "system": system,
         "loop": s.loop,
         "sessions": w.sessions,
+        "lanes": w.lanes,
         "rate": w.rate,
         "duration_s": w.duration,
         "connected": t.connected,
@@ -173,6 +208,7 @@ def summarize(scenario: str, system: str, w: Workload, r: LoadResult, s: Serving
         "unfinished": t.unfinished,
         "dropped_arrivals": t.dropped_arrivals,
         "tokens_s": tokens / w.duration,
+        "completed_s": t.status.get("completed", 0) / w.duration,
         "delta_frames_s": t.delta_frames / w.duration,
         "frames_s": t.frames / w.duration,
         "tokens_per_frame": tokens / t.delta_frames if t.delta_frames else math.nan,
@@ -180,6 +216,10 @@ def summarize(scenario: str, system: str, w: Workload, r: LoadResult, s: Serving
         # CPU microseconds of the serving process per token delivered to a client.
         "cpu_us_per_token": 1e6 * cpu / tokens if tokens else math.nan,
         "server_cpu_util": cpu / w.duration,
+        # ... and per response completed (the requests-per-second scenario's figure).
+        "cpu_us_per_request": (
+            1e6 * cpu / t.status["completed"] if t.status.get("completed") else math.nan
+        ),
         "client_cpu_s": t.cpu_s,
         "load_avg_1m": os.getloadavg()[0],
     }
@@ -251,6 +291,7 @@ def run_systems(
                     r["scenario"] == scenario
                     and r["system"] == system
                     and r["sessions"] == w.sessions
+                    and r.get("lanes", 0) == w.lanes
                     for r in rows
                 )
                 rows.append(row)
@@ -392,81 +433,149 @@ def profile(system: str, engine: Engine, w: Workload, loop: str, out: Path) -> s
 # -- the standard set --------------------------------------------------------------------
 
 
-def standard(quick: bool, loop: str) -> dict[str, Any]:
-    """The standard set. Returns every row and the settings used."""
+SCENARIOS = (
+    "sweep",
+    "ttft",
+    "frame",
+    "upstream",
+    "capacity",
+    "throughput",
+    "saturated",
+    "cancel",
+    "open",
+    "idle",
+    "lanes",
+    "http",
+    "rps",
+)
+
+
+def standard(quick: bool, loop: str, only: set[str] | None = None) -> dict[str, Any]:
+    """The standard set (or the scenarios ``only`` names). Returns every row and the
+    settings used."""
     rows: list[dict[str, Any]] = []
     base = Workload(sessions=1, warmup=1.0, duration=2.0 if quick else 4.0, drain=10.0)
     four = ["engine", "bare", "gateway", "gateway-nc"]
     other = "asyncio" if loop == "uvloop" else None  # the loop comparison, where there is one
+    settings: dict[str, Any] = {}
+
+    def want(name: str) -> bool:
+        return only is None or name in only
 
     # 1. Latency against load: closed loop, a random think time so that arrivals
     #    fall at random points of the engine's step (else the step phase decides TTFT).
     sweep_engine = Engine(step_ms=20, response_tokens=32)
-    levels = [10, 100] if quick else [10, 100, 300, 1000]
-    sweep = [replace(base, sessions=c, think=(0.0, 0.04)) for c in levels]
-    run_systems("sweep", four, sweep_engine, sweep, rows, loop)
+    if want("sweep"):
+        levels = [10, 100] if quick else [10, 100, 300, 1000]
+        sweep = [replace(base, sessions=c, think=(0.0, 0.04)) for c in levels]
+        run_systems("sweep", four, sweep_engine, sweep, rows, loop)
+        settings["sweep"] = asdict(sweep_engine)
 
     # 1b. The TTFT target at 100 sessions: a p99 over a few seconds moves by more than the
     #     0.5 ms the target allows from one run to the next (a collection, a burst of other
     #     work), so engine, bare and gateway take turns, three rounds of fresh processes,
     #     and the target compares the medians.
     rounds = 1 if quick else 3
-    ttft = [replace(base, sessions=100, think=(0.0, 0.04), duration=base.duration + 2)]
-    run_systems("ttft", ["engine", "bare", "gateway"] * rounds, sweep_engine, ttft, rows, loop)
+    if want("ttft"):
+        ttft = [replace(base, sessions=100, think=(0.0, 0.04), duration=base.duration + 2)]
+        systems = ["engine", "bare", "gateway"] * rounds
+        run_systems("ttft", systems, sweep_engine, ttft, rows, loop)
 
     # 2. One token per frame: the sim flat out (a step per loop turn), 300-token answers,
     #    no pause between turns; the bare server sends each token as its own frame.
     frame_engine = Engine(step_ms=0, response_tokens=100 if quick else 300)
-    #    Bare and gateway alternate, twice each: the targets use their means, so that a
-    #    burst of other work on the machine does not decide a ratio alone.
     frame = [replace(base, sessions=50 if quick else 200, think=(0.0, 0.0))]
-    systems = ["bare", "gateway", "bare", "gateway"]
-    systems += [f"bare@{other}", f"gateway@{other}"] if other else []
-    run_systems("frame", systems, frame_engine, frame, rows, loop)
+    if want("frame"):
+        #  Bare, gateway and the gateway's Responses dialect (the same process, the client
+        #  on /v1/responses, each turn continuing the previous response) alternate, twice
+        #  each: the targets use their means, so that a burst of other work on the machine
+        #  does not decide a ratio alone.
+        systems = ["bare", "gateway", "responses"] * 2
+        systems += [f"bare@{other}", f"gateway@{other}"] if other else []
+        run_systems("frame", systems, frame_engine, frame, rows, loop)
+        settings["frame"] = asdict(frame_engine) | {"sessions": frame[0].sessions}
 
     # 3. The upstream path: the same load through --engine upstream and an SSE server.
-    run_systems("upstream", ["upstream"], frame_engine, frame, rows, loop)
+    if want("upstream"):
+        run_systems("upstream", ["upstream"], frame_engine, frame, rows, loop)
 
     # 4. Capacity at 20 ms steps: the most sessions with gap p99 <= 30 ms.
-    coarse = [100, 300] if quick else [200, 400, 600, 800, 1000, 1300, 1600, 2000]
-    cap_base = replace(base, think=(0.0, 0.04))
-    run_capacity(["bare", "gateway"], sweep_engine, cap_base, coarse, 50, rows, loop)
-
-    # 5. Throughput: an engine that offers more tokens than one core can frame.
-    tput_engine = Engine(step_ms=5, response_tokens=64)
-    tput = [replace(base, sessions=100 if quick else 400, think=(0.0, 0.0))]
-    run_systems("throughput", four, tput_engine, tput, rows, loop)
-
-    # 6. Saturated: the engine on a 2 ms clock, 400 streams: 200,000 tokens/s offered.
-    sat_engine = Engine(step_ms=2, response_tokens=64)
-    sat = [replace(base, sessions=100 if quick else 400, think=(0.0, 0.0))]
-    systems = ["bare", "gateway", "gateway-nc", "bare", "gateway"]  # alternating, as above
-    run_systems("saturated", systems, sat_engine, sat, rows, loop)
-
-    # 7. Cancel: each turn is cancelled after 1-8 delta frames.
-    cancel_engine = Engine(step_ms=20, response_tokens=64)
-    cancel = [replace(base, sessions=100, think=(0.0, 0.04), cancel_after=(1, 8))]
-    run_systems("cancel", ["engine", "bare", "gateway"], cancel_engine, cancel, rows, loop)
-
-    # 8. Open loop: Poisson arrivals at a fixed rate, each on a free session.
-    open_loop = [replace(base, sessions=300, mode="open", rate=150.0)]
-    run_systems("open", ["engine", "gateway"], sweep_engine, open_loop, rows, loop)
-
-    # 9. Memory per idle session.
-    run_idle(["bare", "gateway"], 500 if quick else 5000, sweep_engine, rows, loop)
-
-    settings = {
-        "sweep": asdict(sweep_engine),
-        "frame": asdict(frame_engine) | {"sessions": frame[0].sessions},
-        "capacity": {
+    if want("capacity"):
+        coarse = [100, 300] if quick else [200, 400, 600, 800, 1000, 1300, 1600, 2000]
+        cap_base = replace(base, think=(0.0, 0.04))
+        run_capacity(["bare", "gateway"], sweep_engine, cap_base, coarse, 50, rows, loop)
+        settings["capacity"] = {
             **asdict(sweep_engine),
             "gap_limit_ms": GAP_LIMIT_MS,
             "coarse": coarse,
             "fine_step": 50,
-        },
-        "throughput": asdict(tput_engine),
-        "saturated": asdict(sat_engine) | {"sessions": sat[0].sessions},
-        "cancel": asdict(cancel_engine),
+        }
+
+    # 5. Throughput: an engine that offers more tokens than one core can frame.
+    if want("throughput"):
+        tput_engine = Engine(step_ms=5, response_tokens=64)
+        tput = [replace(base, sessions=100 if quick else 400, think=(0.0, 0.0))]
+        run_systems("throughput", four, tput_engine, tput, rows, loop)
+        settings["throughput"] = asdict(tput_engine)
+
+    # 6. Saturated: the engine on a 2 ms clock, 400 streams: 200,000 tokens/s offered.
+    if want("saturated"):
+        sat_engine = Engine(step_ms=2, response_tokens=64)
+        sat = [replace(base, sessions=100 if quick else 400, think=(0.0, 0.0))]
+        systems = ["bare", "gateway", "gateway-nc", "bare", "gateway"]  # alternating, as above
+        run_systems("saturated", systems, sat_engine, sat, rows, loop)
+        settings["saturated"] = asdict(sat_engine) | {"sessions": sat[0].sessions}
+
+    # 7. Cancel: each turn is cancelled after 1-8 delta frames.
+    if want("cancel"):
+        cancel_engine = Engine(step_ms=20, response_tokens=64)
+        cancel = [replace(base, sessions=100, think=(0.0, 0.04), cancel_after=(1, 8))]
+        run_systems("cancel", ["engine", "bare", "gateway"], cancel_engine, cancel, rows, loop)
+        settings["cancel"] = asdict(cancel_engine)
+
+    # 8. Open loop: Poisson arrivals at a fixed rate, each on a free session.
+    if want("open"):
+        open_loop = [replace(base, sessions=300, mode="open", rate=150.0)]
+        run_systems("open", ["engine", "gateway"], sweep_engine, open_loop, rows, loop)
+
+    # 9. Memory per idle session.
+    if want("idle"):
+        run_idle(["bare", "gateway"], 500 if quick else 5000, sweep_engine, rows, loop)
+
+    # 10. Lanes: one Responses connection whose 16 lanes (stream_id l0..l15) each run
+    #     turns back to back, against the same connection with 1 lane, and against 16
+    #     connections of one lane each; 20 ms steps, so a lane's rate is the engine's
+    #     (50 tokens/s) and what counts is whether 16 of them run at once. Two rounds,
+    #     each a fresh gateway.
+    lanes_engine = Engine(step_ms=20, response_tokens=64)
+    if want("lanes"):
+        one = replace(base, sessions=1, lanes=1, think=(0.0, 0.0))
+        lanes = [one, replace(one, sessions=16, lanes=16), replace(one, sessions=16, lanes=0)]
+        run_systems("lanes", ["responses"] * (1 if quick else 2), lanes_engine, lanes, rows, loop)
+        settings["lanes"] = asdict(lanes_engine)
+
+    # 11. The Responses API over HTTP: the frame load as one POST /v1/responses per turn
+    #     (stream: true, keep-alive), beside the same requests over the Responses WebSocket
+    #     and a FastAPI + uvicorn endpoint streaming the same events on the same clock.
+    #     Every turn a new conversation (no previous_response_id, store: false), as an
+    #     HTTP client without the store sends it. Alternating, twice each.
+    fastapi = ["fastapi", "fastapi-httptools"] if httptools_installed() else ["fastapi"]
+    if want("http"):
+        http = [replace(frame[0], chain=False)]
+        systems = ["responses", "http", *fastapi] * 2
+        run_systems("http", systems, frame_engine, http, rows, loop)
+        settings["http"] = asdict(frame_engine) | {"sessions": http[0].sessions}
+
+    # 12. Requests per second: short non-streaming answers (8 tokens, the sim flat out),
+    #     64 keep-alive connections sending back to back; the gateway's JSON Response
+    #     against the FastAPI endpoint's.
+    if want("rps"):
+        rps_engine = Engine(step_ms=0, response_tokens=8)
+        rps = [replace(base, sessions=64, think=(0.0, 0.0), stream=False, chain=False)]
+        run_systems("rps", ["http", *fastapi] * 2, rps_engine, rps, rows, loop)
+        settings["rps"] = asdict(rps_engine) | {"sessions": 64}
+
+    settings |= {
         "quick": quick,
         "loop": loop,
         "cpus": os.cpu_count(),
@@ -489,6 +598,24 @@ def run_profiles(quick: bool, loop: str, out: Path) -> dict[str, str]:
     return {system: profile(system, engine, w, loop, out) for system in systems}
 
 
+def merge(previous: dict[str, Any], fresh: dict[str, Any], ran: set[str]) -> dict[str, Any]:
+    """``fresh`` rows of the scenarios in ``ran`` in place of ``previous``'s, the rest kept
+    (each scenario's rows, its baselines with them, still come from one run)."""
+    rows = [r for r in previous.get("rows", []) if r["scenario"] not in ran] + fresh["rows"]
+    old, new = previous.get("settings", {}), fresh["settings"]
+    # The header (when, how long, the load) stays the previous run's; each merged
+    # scenario says its own.
+    run_keys = ("wall_s", "finished_at", "load_avg", "load_avg_at_start", "quick")
+    settings = old | {k: v for k, v in new.items() if k not in run_keys or k not in old}
+    when = {k: new.get(k) for k in ("finished_at", "quick", "load_avg_at_start", "load_avg")}
+    settings["merged"] = old.get("merged", {}) | dict.fromkeys(sorted(ran), when)
+    merged = previous | {"rows": rows, "settings": settings}
+    for key in ("warmup", "profiles"):
+        if key in fresh:
+            merged[key] = fresh[key]
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="a smaller set (smoke run)")
@@ -504,6 +631,20 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only the profiles (latest.md and latest.json are left as they are)",
     )
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=[*SCENARIOS, "warmup"],
+        help="only this scenario (repeatable); its rows replace its old ones in latest.json",
+    )
+    parser.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the llama.cpp generate: false section (bench/warmup.py, about a minute)",
+    )
+    parser.add_argument(
+        "--warmup-rounds", type=int, default=None, help="its rounds (default 5; --quick 2)"
+    )
     args = parser.parse_args(argv)
     raise_nofile()  # inherited by every server and worker process
     args.out.mkdir(parents=True, exist_ok=True)
@@ -511,18 +652,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile_only:
         run_profiles(args.quick, args.loop, args.out)
         return 0
+    only = set(args.only) if args.only else None
     load_at_start = os.getloadavg()
-    results = standard(args.quick, args.loop)
+    chosen = only - {"warmup"} if only is not None else None
+    if chosen is None or chosen:
+        results = standard(args.quick, args.loop, chosen)
+    else:
+        results = {"rows": [], "settings": {"quick": args.quick, "loop": args.loop}}
     results["settings"].update(
         wall_s=time.monotonic() - started,
         finished_at=time.strftime("%Y-%m-%d %H:%M"),
         load_avg=os.getloadavg()[0],
         load_avg_at_start=load_at_start[0],
     )
+    if (only is None and not args.no_warmup) or (only is not None and "warmup" in only):
+        from bench import warmup
+
+        rounds = args.warmup_rounds or (2 if args.quick else 5)
+        results["warmup"] = warmup.run(rounds, log=log)
     if args.profile:
         results["profiles"] = run_profiles(args.quick, args.loop, args.out)
     from bench.report import write_report
 
+    previous = args.out / "latest.json"
+    if only is not None and previous.exists():
+        results = merge(json.loads(previous.read_text()), results, only)
+        log(f"merged {', '.join(sorted(only))} into {previous}")
     write_report(results, args.out)
     log(f"done in {time.monotonic() - started:.0f}s: {args.out / 'latest.md'}")
     return 0
