@@ -50,7 +50,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -584,9 +584,12 @@ def standard(quick: bool, loop: str, only: set[str] | None = None) -> dict[str, 
     return {"rows": rows, "settings": settings}
 
 
-def run_profiles(quick: bool, loop: str, out: Path) -> dict[str, str]:
+def run_profiles(
+    quick: bool, loop: str, out: Path, systems: Sequence[str] | None = None
+) -> dict[str, str]:
     """py-spy under the one-token-per-frame load: the gateway on sim, on the upstream
-    path, and the bare websockets server for comparison."""
+    path, over SSE (POST /v1/responses), and the bare websockets server and FastAPI +
+    uvicorn's SSE for comparison (or only ``systems``)."""
     from bench import pyspy
 
     if pyspy.executable() is None:
@@ -594,8 +597,9 @@ def run_profiles(quick: bool, loop: str, out: Path) -> dict[str, str]:
         return {}
     engine = Engine(step_ms=0, response_tokens=100 if quick else 300)
     w = Workload(sessions=50 if quick else 200, think=(0.0, 0.0), duration=4.0 if quick else 10.0)
-    systems = ("gateway", "upstream", "bare")
-    return {system: profile(system, engine, w, loop, out) for system in systems}
+    fastapi = "fastapi-httptools" if httptools_installed() else "fastapi"
+    chosen = systems or ("gateway", "upstream", "bare", "http", fastapi)
+    return {system: profile(system, engine, w, loop, out) for system in chosen}
 
 
 def merge(previous: dict[str, Any], fresh: dict[str, Any], ran: set[str]) -> dict[str, Any]:
