@@ -65,6 +65,7 @@ test: $(STAMP) $(SDK_STAMP) $(NODE_STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.run --profile
 	$(BIN)/python -m bench.dialects
+	$(BIN)/python -m bench.store
 
 # examples/notebook.ipynb in JupyterLab, on the project's own environment (its kernel is
 # $(VENV)'s Python). JupyterLab is installed into $(VENV) on first use. Start the gateway

@@ -1,0 +1,228 @@
+"""The Redis session store beside the memory store, in the same run: ``python -m bench.store``
+(``make bench`` runs it too).
+
+- ``ttft``: time to first token at 100 sessions (sim at 20 ms steps, 32-token answers, a
+  random think time so that arrivals fall anywhere in a step), memory store against
+  Redis store, alternating over rounds: the p50 and p99 of each and what the store adds.
+- ``rolling``: 200 sessions streaming on gateway A, A gets SIGTERM (``--drain-timeout
+  0.3``), every client resumes on gateway B: how long from the 1012 close to
+  ``session.resumed`` (p50, p99), how many sessions were lost, and whether any text was
+  lost or repeated (each answer's deltas joined against its final text).
+
+Results: bench/results/store.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+from websockets.asyncio.client import ClientConnection, connect
+
+from bench.dialects import redis_url, summary
+from bench.procs import gateway_argv, server_process
+from bench.stats import dist
+
+RESULTS = Path(__file__).parent / "results"
+ITEM = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]}
+CREATE_ITEM = orjson.dumps({"type": "conversation.item.create", "item": ITEM}).decode()
+
+
+async def _ttft_session(url: str, stop: float, out: list[float], rng: random.Random) -> None:
+    async with connect(url, max_size=None, compression=None) as ws:
+        await ws.recv()
+        while time.monotonic() < stop:
+            await asyncio.sleep(rng.uniform(0.0, 0.04))
+            await ws.send(CREATE_ITEM)
+            started = time.perf_counter()
+            await ws.send('{"type":"response.create"}')
+            first = None
+            while True:
+                frame = str(await ws.recv())
+                if first is None and "output_text.delta" in frame:
+                    first = time.perf_counter() - started
+                elif '"response.done"' in frame:
+                    break
+            if first is not None:
+                out.append(first)
+
+
+async def _ttft(url: str, sessions: int, seconds: float) -> list[float]:
+    out: list[float] = []
+    stop = time.monotonic() + 1.0 + seconds
+    rng = random.Random(7)
+    await asyncio.gather(*(_ttft_session(url, stop, out, rng) for _ in range(sessions)))
+    return out[len(out) // 5 :]  # the first fifth is the warm-up
+
+
+def ttft(rounds: int, seconds: float) -> dict[str, Any]:
+    p50: dict[str, list[float]] = {"memory": [], "redis": []}
+    p99: dict[str, list[float]] = {"memory": [], "redis": []}
+    with redis_url() as store:
+        assert store is not None, "needs redis-server"
+        for _ in range(rounds):
+            for name in ("memory", "redis"):
+                extra = ["--session-store", store] if name == "redis" else []
+                argv = gateway_argv(
+                    loop="uvloop", step_ms=20, max_batch=256, response_tokens=32, extra=extra
+                )
+                with server_process(argv) as s:
+                    d = dist(asyncio.run(_ttft(s.ws_url, 100, seconds)))
+                p50[name].append(d["p50"])
+                p99[name].append(d["p99"])
+                print(f"ttft {name:6} p50 {d['p50']:.2f} ms p99 {d['p99']:.2f} ms", flush=True)
+    added = [r - m for m, r in zip(p99["memory"], p99["redis"], strict=True)]
+    return {
+        "p50": {k: summary(v) for k, v in p50.items()},
+        "p99": {k: summary(v) for k, v in p99.items()},
+        "added_p99_ms": summary(added),
+    }
+
+
+class _Client:
+    def __init__(self) -> None:
+        self.ws: ClientConnection | None = None
+        self.events: list[dict[str, Any]] = []
+        self.session = ""
+        self.token = ""
+
+    async def recv(self) -> dict[str, Any]:
+        assert self.ws is not None
+        event: dict[str, Any] = orjson.loads(await self.ws.recv())
+        self.events.append(event)
+        return event
+
+
+async def _rolling(a_url: str, b_url: str, a_pid: int, n: int) -> dict[str, Any]:
+    clients = [_Client() for _ in range(n)]
+
+    async def start(c: _Client) -> None:
+        c.ws = await connect(a_url, max_size=None, open_timeout=60)
+        created = await c.recv()
+        c.session, c.token = created["session"]["id"], created["resume_token"]
+        await c.ws.send(CREATE_ITEM)
+        await c.ws.send('{"type":"response.create"}')
+        while (await c.recv())["type"] != "response.output_text.delta":
+            pass
+
+    await asyncio.gather(*(start(c) for c in clients))
+    os.kill(a_pid, signal.SIGTERM)
+    closed_at: dict[int, float] = {}
+
+    async def until_closed(i: int, c: _Client) -> None:
+        with contextlib.suppress(Exception):
+            while True:
+                await c.recv()
+        closed_at[i] = time.perf_counter()
+
+    await asyncio.gather(*(until_closed(i, c) for i, c in enumerate(clients)))
+    resume_s: list[float] = []
+    lost = 0
+
+    async def resume(i: int, c: _Client) -> None:
+        nonlocal lost
+        async with connect(b_url, max_size=None, open_timeout=60) as ws:
+            await ws.recv()
+            last = c.events[-1]["sequence_number"]
+            ask = {"session_id": c.session, "resume_token": c.token, "last_sequence_number": last}
+            await ws.send(orjson.dumps({"type": "session.resume", **ask}).decode())
+            answer = orjson.loads(await ws.recv())
+            if answer["type"] != "session.resumed":
+                lost += 1
+                return
+            resume_s.append(time.perf_counter() - closed_at[i])
+            c.ws = ws
+            done = any(e["type"] == "response.done" for e in c.events)
+            while not done:
+                done = (await c.recv())["type"] == "response.done"
+
+    await asyncio.gather(*(resume(i, c) for i, c in enumerate(clients)))
+    damaged = 0
+    for c in clients:
+        numbers = [e["sequence_number"] for e in c.events]
+        text = "".join(e["delta"] for e in c.events if e["type"] == "response.output_text.delta")
+        final = [e for e in c.events if e["type"] == "response.output_text.done"]
+        if numbers != list(range(1, len(numbers) + 1)) or not final or final[0]["text"] != text:
+            damaged += 1
+    d = dist(resume_s) if resume_s else {"p50": 0.0, "p99": 0.0}
+    return {"lost": lost, "damaged": damaged, "resume_ms_p50": d["p50"], "resume_ms_p99": d["p99"]}
+
+
+def rolling(rounds: int, sessions: int) -> dict[str, Any]:
+    runs = []
+    with redis_url() as store:
+        assert store is not None, "needs redis-server"
+        flags = ["--session-store", store, "--drain-timeout", "0.3"]
+        argv = gateway_argv(loop="uvloop", step_ms=20, response_tokens=200, extra=flags)
+        for _ in range(rounds):
+            with server_process(argv) as a, server_process(argv) as b:
+                run = asyncio.run(_rolling(a.ws_url, b.ws_url, a.pid, sessions))
+                runs.append(run)
+                print(f"rolling {run}", flush=True)
+    return {
+        "sessions": sessions,
+        "lost": sum(r["lost"] for r in runs),
+        "damaged": sum(r["damaged"] for r in runs),
+        "resume_ms_p50": summary([r["resume_ms_p50"] for r in runs]),
+        "resume_ms_p99": summary([r["resume_ms_p99"] for r in runs]),
+    }
+
+
+def report(results: dict[str, Any]) -> str:
+    lines = ["# The Redis session store beside the memory store (bench/store.py)", ""]
+    if "ttft" in results:
+        t = results["ttft"]
+        lines += [
+            "## Time to first token at 100 sessions (20 ms steps), ms, median (min–max) of "
+            f"{results['rounds']} rounds",
+            "",
+            f"- memory store: p50 {_span(t['p50']['memory'])}, p99 {_span(t['p99']['memory'])}",
+            f"- Redis store: p50 {_span(t['p50']['redis'])}, p99 {_span(t['p99']['redis'])}",
+            f"- added p99: {_span(t['added_p99_ms'])} (target: at most 2 ms)",
+            "",
+        ]
+    if "rolling" in results:
+        r = results["rolling"]
+        lines += [
+            f"## Rolling restart under {r['sessions']} streaming sessions",
+            "",
+            f"- sessions lost: {r['lost']}; answers with text lost or repeated: {r['damaged']}",
+            f"- resume time (1012 close to session.resumed), ms: p50 {_span(r['resume_ms_p50'])}, "
+            f"p99 {_span(r['resume_ms_p99'])}",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def _span(d: dict[str, float]) -> str:
+    return f"{d['median']:.2f} ({d['min']:.2f}–{d['max']:.2f})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.store")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--sessions", type=int, default=200)
+    args = parser.parse_args(argv)
+    results: dict[str, Any] = {"rounds": args.rounds}
+    results["ttft"] = ttft(args.rounds, args.seconds)
+    results["rolling"] = rolling(args.rounds, args.sessions)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "store.json").write_text(json.dumps(results, indent=2))
+    text = report(results)
+    (RESULTS / "store.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
