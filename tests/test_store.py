@@ -7,81 +7,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-import pytest
-import redis
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from tests.balancer import Balancer
+from tests.redis_server import RedisServer, redis_server_fixture  # noqa: F401
 from tests.responses_harness import ResponsesClient
 
 TIMEOUT = 20.0
-pytestmark = pytest.mark.skipif(
-    shutil.which("redis-server") is None and os.environ.get("CI") != "true",
-    reason="needs Debian's redis-server (.ci/run installs it)",
-)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-class RedisServer:
-    """A real redis-server on a free loopback port, in a temporary folder."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.dir = tempfile.mkdtemp(prefix="redis-")
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
-        argv += ["--save", "", "--appendonly", "no", "--dir", self.dir]
-        self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            with contextlib.suppress(redis.exceptions.ConnectionError):
-                if redis.Redis(port=self.port).ping():
-                    return
-            assert time.monotonic() < deadline, "redis-server did not answer"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(TIMEOUT)
-            self.process = None
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port)
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
-    shutil.rmtree(server.dir, ignore_errors=True)
 
 
 class GatewayProcess:
@@ -391,58 +333,6 @@ async def fetch(address: str, path: str) -> bytes:
     return data.partition(b"\r\n\r\n")[2]
 
 
-class Balancer:
-    """A TCP load balancer without affinity: each connection goes to the next backend
-    that accepts it, round robin."""
-
-    def __init__(self, backends: list[str]) -> None:
-        self.backends = backends
-        self._next = 0
-        self._server: asyncio.Server | None = None
-        self._links: set[asyncio.StreamWriter] = set()
-        self.port = 0
-
-    def url(self, path: str = "/v1/realtime") -> str:
-        return f"ws://127.0.0.1:{self.port}{path}"
-
-    async def __aenter__(self) -> Balancer:
-        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for writer in self._links:
-            writer.transport.abort()
-        await self._server.wait_closed()
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        for _ in range(len(self.backends)):
-            host, port = self.backends[self._next % len(self.backends)].split(":")
-            self._next += 1
-            with contextlib.suppress(OSError):
-                up_reader, up_writer = await asyncio.open_connection(host, int(port))
-                break
-        else:
-            writer.transport.abort()
-            return
-        self._links |= {writer, up_writer}
-
-        async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            try:
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            except ConnectionError:
-                pass
-            finally:
-                dst.close()
-
-        await asyncio.gather(copy(reader, up_writer), copy(up_reader, writer))
-        self._links -= {writer, up_writer}
-
-
 async def test_gateway_client_rides_a_rolling_restart_of_two_gateways(
     redis_server: RedisServer,
 ) -> None:
@@ -452,7 +342,10 @@ async def test_gateway_client_rides_a_rolling_restart_of_two_gateways(
     first, second = GatewayProcess(redis_server.url, *flags, tokens=200), None
     try:
         second = GatewayProcess(redis_server.url, *flags, tokens=200)
-        async with Balancer([first.address, second.address]) as lb, gc.connect(lb.url()) as chat:
+        async with (
+            Balancer([first.address, second.address]) as lb,
+            gc.connect(lb.ws_url()) as chat,
+        ):
             restarted = []
             for turn in range(2):
                 deltas: list[str] = []
@@ -473,7 +366,7 @@ async def test_gateway_client_rides_a_rolling_restart_of_two_gateways(
                     first = replacement
                 else:
                     second = replacement
-                lb.backends = [first.address, second.address]  # type: ignore[union-attr]
+                lb.set_backends([first.address, second.address])  # type: ignore[union-attr]
     finally:
         for g in (first, second):
             if g is not None and g.process.poll() is None:
