@@ -423,17 +423,35 @@ def markdown(results: dict[str, Any]) -> str:
     ran = {r["scenario"] for r in rows}
     loop = settings.get("loop", "asyncio")
     start = settings.get("load_avg_at_start")
+    merged = settings.get("merged") or {}
+    machine = (
+        f"{settings.get('cpus', os.cpu_count())} CPUs, Python "
+        f"{settings.get('python', sys.version.split()[0])}"
+    )
+    if merged and ran | ({"warmup"} if results.get("warmup") else set()) <= set(merged):
+        # Every scenario was rerun on its own: the first run's time and load say nothing.
+        times = sorted(m.get("finished_at") or "" for m in merged.values())
+        when = (
+            f"Each scenario run on its own (`--only`, {times[0]} to {times[-1]}; the time of "
+            f"each under the targets) on {machine}"
+            + (" (**--quick**)" if any(m.get("quick") for m in merged.values()) else "")
+            + ". "
+        )
+    else:
+        when = (
+            f"Run {settings.get('finished_at', time.strftime('%Y-%m-%d %H:%M'))} on {machine}, "
+            f"{settings['wall_s']:.0f} s in all"
+            + (" (**--quick**)" if settings.get("quick") else "")
+            + "; 1-minute load average "
+            + (f"{start:.1f} at the start, " if start is not None else "")
+            + f"{settings.get('load_avg', os.getloadavg()[0]):.1f} at the end"
+            + ("; scenarios rerun since are listed under the targets" if merged else "")
+            + ". "
+        )
     lines = [
         "# Benchmark results",
         "",
-        f"Run {settings.get('finished_at', time.strftime('%Y-%m-%d %H:%M'))} on "
-        f"{settings.get('cpus', os.cpu_count())} CPUs, Python "
-        f"{settings.get('python', sys.version.split()[0])}, {settings['wall_s']:.0f} s in all"
-        + (" (**--quick**)" if settings.get("quick") else "")
-        + "; 1-minute load average "
-        + (f"{start:.1f} at the start, " if start is not None else "")
-        + f"{settings.get('load_avg', os.getloadavg()[0]):.1f} at the end. "
-        f"Every server and load generator runs on **{loop}** unless its row says otherwise. "
+        when + f"Every server and load generator runs on **{loop}** unless its row says otherwise. "
         "Servers and load generators share these CPUs; see docs/performance.md. CPU µs/token "
         "is the serving process's CPU over the window per token delivered (for the bare "
         "engine: its process, load generator included). *Other CPU* is the machine's busy "
@@ -448,10 +466,9 @@ def markdown(results: dict[str, Any]) -> str:
     warm = warmup_target(results.get("warmup") or {})
     goals += [warm] if warm else []
     lines += _table(["target", "measured", "baseline (same run)", "verdict"], goals)
-    merged = settings.get("merged") or {}
     if merged:
         lines += [
-            "Scenarios rerun on their own since (`--only`), each with its baselines: "
+            "Scenarios run on their own (`--only`), each with its baselines: "
             + "; ".join(
                 f"{name} {m.get('finished_at')}" + (" (--quick)" if m.get("quick") else "")
                 for name, m in sorted(merged.items())
