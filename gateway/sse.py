@@ -29,13 +29,11 @@ def sse_message(frame: bytes) -> tuple[bytes, bytes]:
 class SseWire:
     """One SSE response as an outbox's wire (see the module docstring)."""
 
-    __slots__ = ("_reply", "close_code", "over", "terminal_sent")
+    __slots__ = ("_reply", "over")
 
     def __init__(self, reply: HttpReply) -> None:
         self._reply = reply
         self.over = asyncio.Event()
-        self.terminal_sent = False
-        self.close_code: int | None = None
 
     def writable(self) -> bool:
         return self._reply.writable and not self.over.is_set()
@@ -46,7 +44,6 @@ class SseWire:
         message, event_type = sse_message(frame)
         self._reply.write(message)
         if event_type in TERMINAL_TYPES:
-            self.terminal_sent = True
             self.over.set()
 
     async def write_later(self, frame: bytes) -> None:
@@ -57,5 +54,4 @@ class SseWire:
     def close(self, code: int, reason: str) -> None:
         """The outbox let go of this stream (the session ended, or another stream
         took it over): the handler ends the response."""
-        self.close_code = code
         self.over.set()
