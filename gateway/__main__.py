@@ -17,11 +17,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
-from gateway import auth, engines
+from gateway import auth, engines, tls
 from gateway.config import GatewayConfig
 from gateway.engines.base import EngineError, EngineUnavailableError
 from gateway.server import Gateway
@@ -337,6 +338,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="max life of a client secret",
     )
+    security.add_argument("--tls-cert", metavar="FILE", help="PEM certificate: serve https, wss")
+    security.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
+    security.add_argument(
+        "--tls-key-password-file", metavar="FILE", help="password of an encrypted --tls-key"
+    )
+    security.add_argument(
+        "--tls-self-signed",
+        nargs="?",
+        const="",
+        metavar="DIR",
+        help="TLS with a localhost certificate made here",
+    )
     security.add_argument(
         "--client-secret-url",
         metavar="PATH",
@@ -365,10 +378,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def tls_from_args(args: argparse.Namespace) -> tls.TlsFiles | None:
+    """The TLS files the flags name, checked now (one clear line, before any worker
+    starts), or None for plain http:// and ws://."""
+    if args.tls_self_signed is not None:
+        if args.tls_cert or args.tls_key or args.tls_key_password_file:
+            raise tls.TlsError(
+                "--tls-self-signed makes its own certificate: drop --tls-cert/--tls-key"
+            )
+        directory = Path(args.tls_self_signed) if args.tls_self_signed else tls.default_dir()
+        files = tls.self_signed(directory)
+        if args.worker_index is None:  # its workers would only repeat it
+            log.info(
+                "TLS: a self-signed certificate for %s at %s (trust it: in a browser, import "
+                "it as an authority; Node: NODE_EXTRA_CA_CERTS=FILE; Python: SSL_CERT_FILE=FILE)",
+                ", ".join(tls.SELF_SIGNED_NAMES),
+                files.cert,
+            )
+        return files
+    if args.tls_cert is None and args.tls_key is None:
+        if args.tls_key_password_file:
+            raise tls.TlsError("--tls-key-password-file needs --tls-cert and --tls-key")
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        raise tls.TlsError("--tls-cert and --tls-key go together: give both")
+    password = Path(args.tls_key_password_file) if args.tls_key_password_file else None
+    files = tls.TlsFiles(Path(args.tls_cert), Path(args.tls_key), password)
+    tls.server_context(files)  # raises TlsError, with which file and why
+    return files
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         host=args.host,
         port=args.port,
+        tls=tls_from_args(args),
         max_running=args.max_running,
         max_queued=args.max_queued,
         max_sessions=args.max_sessions,
@@ -406,8 +450,9 @@ def ready_line(gateway: Gateway, seconds: float) -> str:
     host = _url_host(gateway.config.host)
     base = f"{host}:{gateway.port}"
     worker = f", worker {gateway.config.worker}" if gateway.config.reuse_port else ""
+    page, ws = gateway.scheme, gateway.scheme.replace("http", "ws")
     return (
-        f"ready in {seconds:.1f} s: chat page http://{base}/ · WebSocket ws://{base}/v1/realtime"
+        f"ready in {seconds:.1f} s: chat page {page}://{base}/ · WebSocket {ws}://{base}/v1/realtime"
         f" · model {gateway.model} ({gateway.engine.name} engine{worker})"
     )
 
@@ -428,12 +473,14 @@ async def serve(gateway: Gateway) -> None:
     signals = (signal.SIGTERM, signal.SIGINT)
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
+    if gateway.config.tls is not None:  # else SIGHUP keeps its default: it ends the process
+        loop.add_signal_handler(signal.SIGHUP, gateway.reload_tls)
     try:
         await _serve(gateway, stop)
     finally:
         # uvloop, unlike asyncio, leaves its handlers installed when the loop closes:
         # Ctrl-C would then be swallowed for the rest of the process (main() in a notebook).
-        for sig in signals:
+        for sig in (*signals, signal.SIGHUP):
             loop.remove_signal_handler(sig)
 
 
@@ -478,7 +525,8 @@ def _loop_name(loop: asyncio.AbstractEventLoop) -> str:
 
 
 def run_workers(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Start ``--workers`` copies of this command on one port; forward SIGTERM/SIGINT."""
+    """Start ``--workers`` copies of this command on one port; forward SIGTERM/SIGINT
+    (and SIGHUP, with which each reloads its TLS certificate)."""
     port = args.port or _free_port(args.host)
     base = [a for a in argv if not a.startswith("--workers")]
     if "--workers" in argv:  # the value was a separate word
@@ -503,6 +551,7 @@ def run_workers(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         signal.signal(signal.SIGTERM, forward)
         signal.signal(signal.SIGINT, forward)
+        signal.signal(signal.SIGHUP, forward)
         codes = [child.wait() for child in children]
     return max(codes, key=abs)
 
@@ -584,7 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         config = config_from_args(args)  # reads the keys: fails here, before any worker
-    except auth.KeyConfigError as exc:
+    except (auth.KeyConfigError, tls.TlsError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     raise_open_file_limit()

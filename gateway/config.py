@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.tls import TlsFiles
+
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8765
+    tls: TlsFiles | None = None  # None: plain http:// and ws:// (gateway/tls.py)
     max_running: int | None = None  # None: the engine's own capacity
     max_queued: int = 256
     max_sessions: int | None = None

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import re
 import secrets
+import ssl
 import time
 import urllib.parse
 import weakref
@@ -34,7 +35,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
-from gateway import auth, protocol, relay, responses_protocol, static, store_relay
+from gateway import auth, protocol, relay, responses_protocol, static, store_relay, tls
 from gateway.config import GatewayConfig
 from gateway.engines.base import Engine, EngineError
 from gateway.handshake import Pending, refusal
@@ -107,6 +108,8 @@ class Gateway:
         self._ended_traffic = (0, 0, 0)  # frames, delta frames, bytes of ended sessions
         self._replay_budget = ReplayBudget(config.replay_buffer_total_bytes)
         self._server: Server | None = None
+        # The live TLS context of the listening socket; SIGHUP loads new files into it.
+        self._tls: ssl.SSLContext | None = None
         self.http: HttpService | None = None
         self._stopping = False
         self._engine_task: asyncio.Task[None] | None = None
@@ -161,6 +164,8 @@ class Gateway:
             keepalive_timeout=self.config.keepalive_timeout,
             logger=log,
         )
+        if self.config.tls is not None:
+            self._tls = tls.server_context(self.config.tls)
         # websockets keeps the listening socket; every connection starts as the HTTP
         # service's (gateway/http1.py), which hands WebSocket upgrades back to websockets.
         self._server = await serve(
@@ -180,6 +185,10 @@ class Gateway:
             # asyncio's default (100) overflows in a burst of connects: the kernel then
             # drops their handshakes' last ACK and each waits for a SYN-ACK resend (1 s+).
             backlog=LISTEN_BACKLOG,
+            ssl=self._tls,
+            # A client that never finishes its TLS handshake holds no more than a plain
+            # one that never finishes its HTTP request.
+            ssl_handshake_timeout=self.config.handshake_timeout if self._tls else None,
         )
         if self.config.worker_dir is not None:
             path = relay.socket_path(self.config.worker_dir, self.config.worker)
@@ -236,6 +245,23 @@ class Gateway:
     async def wait_ready(self) -> None:
         assert self._engine_task is not None
         await asyncio.shield(self._engine_task)
+
+    @property
+    def scheme(self) -> str:
+        """``https`` with TLS, else ``http``; the WebSocket's is the same with ``ws``."""
+        return "https" if self._tls is not None else "http"
+
+    def reload_tls(self) -> None:
+        """SIGHUP: new connections get the certificate and key now in the files; on an
+        error the old ones stay and the log says why."""
+        if self._tls is None or self.config.tls is None:
+            return
+        try:
+            tls.reload(self._tls, self.config.tls)
+        except tls.TlsError as exc:
+            log.error("SIGHUP: kept the old TLS certificate: %s", exc)
+            return
+        log.info("SIGHUP: TLS certificate reloaded from %s", self.config.tls.cert)
 
     @property
     def port(self) -> int:
@@ -339,6 +365,7 @@ class Gateway:
             "sessions": len(self.sessions),
             "responses": {"running": self.scheduler.running, "queued": self.scheduler.queued},
             "store": self.store.describe() if self.store is not None else {"kind": "memory"},
+            "tls": tls.describe(self.config.tls) if self._tls and self.config.tls else None,
         }
 
     def _render_metrics(self) -> bytes:
@@ -375,7 +402,16 @@ class Gateway:
         return router
 
     async def _healthz(self, request: HttpRequest, reply: HttpReply) -> None:
-        reply.send_json(200, self.health())
+        # Where this client reaches each endpoint, in the scheme this port speaks.
+        host = request.headers.get("Host") or f"{self.config.host}:{self.port}"
+        ws = "wss" if self._tls is not None else "ws"
+        urls = {
+            "page": f"{self.scheme}://{host}/",
+            "realtime": f"{ws}://{host}{REALTIME_PATH}",
+            "responses": f"{ws}://{host}{RESPONSES_PATH}",
+            "http": f"{self.scheme}://{host}/v1",
+        }
+        reply.send_json(200, {**self.health(), "urls": urls})
 
     async def _readyz(self, request: HttpRequest, reply: HttpReply) -> None:
         ready = self.engine.ready and not self._draining

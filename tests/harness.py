@@ -63,7 +63,8 @@ async def running_gateway(engine: Engine, **settings: Any) -> AsyncIterator[Runn
     try:
         await gateway.wait_ready()
         base = f"127.0.0.1:{gateway.port}"
-        yield RunningGateway(gateway, f"ws://{base}/v1/realtime", f"http://{base}")
+        http, ws = gateway.scheme, gateway.scheme.replace("http", "ws")
+        yield RunningGateway(gateway, f"{ws}://{base}/v1/realtime", f"{http}://{base}")
     finally:
         await gateway.stop()
 
