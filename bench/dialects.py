@@ -6,6 +6,8 @@ from the same run: ``python -m bench.dialects`` (``make bench`` runs it too).
   dialect, the Responses dialect over WebSocket, the Responses API over HTTP (SSE, one
   event per token, keep-alive), the Realtime dialect with the Redis session store, and
   a FastAPI + uvicorn SSE endpoint streaming the same events (bench/fastapi_sse.py).
+- ``tls``: one token per frame on the Realtime dialect over ``ws://`` and over the
+  gateway's own TLS (``wss://``, ``--tls-self-signed``), alternating: what encryption costs.
 - ``lanes``: one Responses connection at 20 ms steps, 16 lanes against 1: tokens/s.
 - ``rps``: short non-streaming answers (8 tokens, 64 keep-alive connections): requests
   per second of ``POST /v1/responses`` beside the FastAPI endpoint.
@@ -13,7 +15,7 @@ from the same run: ``python -m bench.dialects`` (``make bench`` runs it too).
   ~1,000-token prefix, cold against warmed by ``generate: false``.
 
 Systems alternate, each run ``--rounds`` times; the tables give the median and range.
-Results: bench/results/dialects.md and .json.
+Results: bench/results/dialects.md and .json (dialects-NAME.md for a run with --only NAME).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import contextlib
 import json
 import os
 import shutil
+import ssl
 import statistics
 import subprocess
 import sys
@@ -37,6 +40,7 @@ import orjson
 from websockets.asyncio.client import connect
 
 from bench.procs import cpu_seconds, free_port, gateway_argv, server_process
+from gateway.tls import self_signed
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT = "Tell me about the gateway"
@@ -45,8 +49,10 @@ PROMPT = "Tell me about the gateway"
 # -- clients ---------------------------------------------------------------------------
 
 
-async def realtime_turns(url: str, stop: float, count: list[int]) -> None:
-    async with connect(url, max_size=None, compression=None) as ws:
+async def realtime_turns(
+    url: str, stop: float, count: list[int], tls: ssl.SSLContext | None = None
+) -> None:
+    async with connect(url, max_size=None, compression=None, ssl=tls) as ws:
         await ws.recv()
         item = {
             "type": "message",
@@ -220,6 +226,40 @@ def frame(rounds: int, seconds: float, sessions: int) -> dict[str, Any]:
     return {k: {m: summary(v) for m, v in row.items()} for k, row in results.items()}
 
 
+def tls_frame(rounds: int, seconds: float, sessions: int) -> dict[str, Any]:
+    """One token per frame on the Realtime dialect, plain WebSocket against wss:// (the
+    gateway's own TLS, a self-signed certificate), alternating: what encryption costs."""
+    results: dict[str, list[float]] = {"ws": [], "wss": []}
+    base = gateway_argv(loop="uvloop", step_ms=0, response_tokens=300)
+    folder = Path(tempfile.mkdtemp())
+    try:
+        trust = ssl.create_default_context(cafile=self_signed(folder).cert)  # the gateway's
+        for _ in range(rounds):
+            for name in results:
+                argv, tls = (
+                    (base, None)
+                    if name == "ws"
+                    else ([*base, "--tls-self-signed", str(folder)], trust)
+                )
+                with server_process(argv, tls=tls) as s:
+                    url = s.ws_url
+                    clients = [
+                        lambda stop, n, u=url, c=tls: realtime_turns(u, stop, n, c)
+                    ] * sessions
+                    cpu, rate = asyncio.run(measure(s.pid, seconds, clients))
+                results[name].append(cpu)
+                print(f"tls {name:4} {cpu:7.1f} us/token {rate:9.0f} tokens/s", flush=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    ratios = [t / p for p, t in zip(results["ws"], results["wss"], strict=True)]
+    return {
+        **{k: summary(v) for k, v in results.items()},
+        "ratio": summary(ratios),
+        "rounds": rounds,
+        "sessions": sessions,
+    }
+
+
 def lanes(rounds: int, seconds: float) -> dict[str, Any]:
     rates: dict[str, list[float]] = {"1 lane": [], "16 lanes": []}
     argv = gateway_argv(loop="uvloop", step_ms=20, response_tokens=50)
@@ -372,6 +412,16 @@ def report(results: dict[str, Any]) -> str:
                 f"per token (target: at least 2x): {verdict}"
             )
         lines.append("")
+    if "tls" in results:
+        r = results["tls"]
+        lines += [
+            f"## One token per frame over TLS (Realtime, {r['sessions']} sessions, "
+            f"{r['rounds']} rounds alternating)",
+            "",
+            f"- µs/token: ws:// {span(r['ws'])}, wss:// {span(r['wss'])}; "
+            f"wss/ws {span(r['ratio'], 2)} (reported, no target)",
+            "",
+        ]
     if "lanes" in results:
         r = results["lanes"]
         lines += [
@@ -407,9 +457,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--sessions", type=int, default=50)
-    parser.add_argument("--only", action="append", choices=["frame", "lanes", "rps", "warmup"])
+    scenarios = ["frame", "tls", "lanes", "rps", "warmup"]
+    parser.add_argument("--only", action="append", choices=scenarios)
     args = parser.parse_args(argv)
-    chosen = args.only or ["frame", "lanes", "rps", "warmup"]
+    chosen = args.only or scenarios
     results: dict[str, Any] = {
         "rounds": args.rounds,
         "seconds": args.seconds,
@@ -417,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if "frame" in chosen:
         results["frame"] = frame(args.rounds, args.seconds, args.sessions)
+    if "tls" in chosen:
+        results["tls"] = tls_frame(args.rounds, args.seconds, args.sessions)
     if "lanes" in chosen:
         results["lanes"] = lanes(args.rounds, args.seconds)
     if "rps" in chosen:
@@ -424,9 +477,11 @@ def main(argv: list[str] | None = None) -> int:
     if "warmup" in chosen:
         results["warmup"] = warmup(args.rounds)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "dialects.json").write_text(json.dumps(results, indent=2))
+    # A run of some scenarios (--only) is kept apart from the whole run's results.
+    name = "dialects" + "".join(f"-{s}" for s in args.only or ())
+    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2))
     text = report(results)
-    (RESULTS / "dialects.md").write_text(text + "\n")
+    (RESULTS / f"{name}.md").write_text(text + "\n")
     print(text)
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -44,22 +45,27 @@ class Server:
     pid: int
     port: int
     log: Path
+    tls: ssl.SSLContext | None = None  # a client context trusting its certificate, with TLS
 
     @property
     def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/realtime"
+        return f"{self._ws}://127.0.0.1:{self.port}/v1/realtime"
 
     @property
     def responses_url(self) -> str:
         """The gateway's Responses WebSocket dialect, beside the Realtime one."""
-        return f"ws://127.0.0.1:{self.port}/v1/responses"
+        return f"{self._ws}://127.0.0.1:{self.port}/v1/responses"
 
     @property
     def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    @property
+    def _ws(self) -> str:
+        return "wss" if self.tls else "ws"
 
     def get(self, path: str) -> bytes:
-        with urllib.request.urlopen(self.http_url + path, timeout=10) as r:
+        with urllib.request.urlopen(self.http_url + path, timeout=10, context=self.tls) as r:
             body: bytes = r.read()
             return body
 
@@ -73,15 +79,18 @@ def free_port() -> int:
 
 
 @contextmanager
-def server_process(argv: Sequence[str], *, timeout: float = 30.0) -> Iterator[Server]:
-    """Run ``argv`` + ``--port PORT`` until ``/readyz`` answers; stop it with SIGTERM."""
+def server_process(
+    argv: Sequence[str], *, timeout: float = 30.0, tls: ssl.SSLContext | None = None
+) -> Iterator[Server]:
+    """Run ``argv`` + ``--port PORT`` until ``/readyz`` answers; stop it with SIGTERM.
+    ``tls``: the server speaks TLS, and this client context trusts it."""
     with tempfile.NamedTemporaryFile(prefix="bench-", suffix=".log", delete=False) as f:
         log = Path(f.name)
     port = free_port()
     with log.open("wb") as out:
         proc = subprocess.Popen([*argv, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
     try:
-        server = Server(proc.pid, port, log)
+        server = Server(proc.pid, port, log, tls)
         _wait_ready(proc, server, timeout)
         yield server
     finally:
