@@ -7,6 +7,7 @@ would, on a free port), so the blocks run as printed, against a real gateway pro
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -105,3 +106,72 @@ def test_curl_block_streams_a_whole_answer(line: int, command: str, address: str
 
 def test_readme_has_a_curl_block() -> None:
     assert curl_blocks()
+
+
+# --- the JavaScript block: openai-node over the gateway's own TLS ---------------------------
+
+NODE_MODULES = Path(__file__).resolve().parent / "node" / "node_modules"
+
+
+def js_blocks() -> list[tuple[int, str]]:
+    """(line number, code) of each ```js block."""
+    text = README.read_text(encoding="utf-8")
+    return [
+        (text.count("\n", 0, m.start()) + 2, m.group(1))
+        for m in re.finditer(r"^```js\n(.*?)^```$", text, re.DOTALL | re.MULTILINE)
+    ]
+
+
+@pytest.fixture(scope="module")
+def tls_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """``host:port`` of a gateway started as ``make run ARGS="--tls-self-signed"`` would
+    be (on the sim engine), and the certificate it printed."""
+    folder = tmp_path_factory.mktemp("tls")
+    command = [sys.executable, "-m", "gateway", "--engine", "sim", "--port", "0"]
+    command += ["--tls-self-signed", str(folder)]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    assert proc.stderr is not None
+    try:
+        cert, found = None, None
+        while found is None:
+            line = proc.stderr.readline()
+            assert line, f"the gateway exited with {proc.wait()} before its ready line"
+            if printed := re.search(r"self-signed certificate for .* at (\S+) ", line):
+                cert = Path(printed.group(1))
+            found = re.search(r"chat page https://(127\.0\.0\.1:\d+)/", line)
+        assert cert is not None and cert.exists(), "the certificate's path was not printed"
+        yield found.group(1), cert
+    finally:
+        proc.terminate()
+        proc.wait(TIMEOUT)
+        proc.stderr.close()
+
+
+def test_readme_has_a_javascript_block() -> None:
+    assert [code for _, code in js_blocks() if "OpenAIRealtimeWS" in code]
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node is not installed")
+@pytest.mark.parametrize(
+    ("line", "code"), js_blocks(), ids=[f"README.md:{n}" for n, _ in js_blocks()]
+)
+def test_js_block_runs_as_pasted(
+    line: int, code: str, tls_gateway: tuple[str, Path], tmp_path: Path
+) -> None:
+    assert NODE_MODULES.exists(), "run `make test` (npm ci in tests/node)"
+    address, cert = tls_gateway
+    assert ADDRESS in code
+    (tmp_path / "node_modules").symlink_to(NODE_MODULES)  # the README's `npm install openai ws`
+    script = tmp_path / "chat.mjs"
+    script.write_text(code.replace(ADDRESS, address), encoding="utf-8")
+    done = subprocess.run(
+        ["node", str(script)],
+        cwd=tmp_path,
+        env={**os.environ, "NODE_EXTRA_CA_CERTS": str(cert)},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert done.returncode == 0, f"README.md:{line} failed:\n{done.stderr}"
+    assert done.stdout.strip(), f"README.md:{line} printed nothing"
+    assert done.stdout.endswith("\n"), f"README.md:{line}: the last line is left open"
