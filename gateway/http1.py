@@ -494,6 +494,12 @@ class HttpConnection(asyncio.Protocol):
         if self._reading_paused:
             transport.resume_reading()
         websocket.data_received(raw)
+        # websockets' select_subprotocol closure keeps this object (for the assert on
+        # ``protocol``) as long as the WebSocket lives: let go of all else it holds (the
+        # h11 state machine, buffers, headers), which would cost every idle session ~2 KiB.
+        vars(self).clear()
+        self.protocol = websocket.protocol
+        self._state = "closed"  # what the caller's loop (_advance) reads next
 
     def _refuse(self, status: int, text: str) -> None:
         """Answer a request that cannot be served (malformed, too large) and close,

@@ -33,6 +33,13 @@ async def test_health_and_routes(gw: RunningGateway) -> None:
         "sessions": 0,
         "responses": {"running": 0, "queued": 0},
         "store": {"kind": "memory"},
+        "tls": None,
+        "urls": {  # as this client reached it, in the schemes the port speaks
+            "page": f"{gw.http_url}/",
+            "realtime": gw.ws_url,
+            "responses": gw.ws_url.replace("/v1/realtime", "/v1/responses"),
+            "http": f"{gw.http_url}/v1",
+        },
     }
     assert (await gw.get("/readyz"))[0] == 200
     assert (await gw.get("/nope"))[0] == 404
