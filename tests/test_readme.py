@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -34,24 +35,44 @@ def python_blocks() -> list[tuple[int, str]]:
 BLOCKS = python_blocks()
 
 
-@pytest.fixture(scope="module")
-def address() -> Iterator[str]:
-    """``host:port`` of a gateway process on the sim engine: answers long enough to cancel."""
-    command = [sys.executable, "-m", "gateway", "--engine", "sim", "--port", "0"]
-    command += ["--sim-step-ms", "2", "--sim-response-tokens", "200"]
+@contextmanager
+def gateway(*flags: str) -> Iterator[list[str]]:
+    """A gateway process on the sim engine; its stderr lines up to its ready line."""
+    command = [sys.executable, "-m", "gateway", "--engine", "sim", "--port", "0", *flags]
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     assert proc.stderr is not None
     try:
-        found = None
-        while found is None:
+        lines: list[str] = []
+        while not lines or " ready in " not in lines[-1]:
             line = proc.stderr.readline()
-            assert line, f"the gateway exited with {proc.wait()} before its ready line"
-            found = re.search(r"chat page http://(127\.0\.0\.1:\d+)/", line)
-        yield found.group(1)
+            assert line, f"the gateway exited with {proc.wait()} before its ready line: {lines}"
+            lines.append(line)
+        yield lines
     finally:
         proc.terminate()
         proc.wait(TIMEOUT)
         proc.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def address() -> Iterator[str]:
+    """``host:port`` of a gateway process on the sim engine: answers long enough to cancel."""
+    with gateway("--sim-step-ms", "2", "--sim-response-tokens", "200") as lines:
+        found = re.search(r"chat page http://(127\.0\.0\.1:\d+)/", lines[-1])
+        assert found, lines[-1]
+        yield found.group(1)
+
+
+def ran(line: int, command: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
+    """What a README block printed, run as a newcomer runs it; it must succeed, print, and
+    end its last line."""
+    done = subprocess.run(
+        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert done.returncode == 0, f"README.md:{line} failed:\n{done.stderr}"
+    assert done.stdout.strip(), f"README.md:{line} printed nothing"
+    assert done.stdout.endswith("\n"), f"README.md:{line}: the last line is left open"
+    return done.stdout
 
 
 def test_readme_has_the_blocks_this_test_runs() -> None:
@@ -63,19 +84,10 @@ def test_readme_has_the_blocks_this_test_runs() -> None:
 def test_block_runs_as_a_file(line: int, code: str, address: str, tmp_path: Path) -> None:
     script = tmp_path / "snippet.py"
     script.write_text(code.replace(ADDRESS, address), encoding="utf-8")
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    assert done.returncode == 0, f"README.md:{line} failed:\n{done.stderr}"
-    assert done.stdout.strip(), f"README.md:{line} printed nothing"
-    assert done.stdout.endswith("\n"), f"README.md:{line}: the last line is left open"
+    stdout = ran(line, [sys.executable, str(script)], tmp_path)
     if "stream.cancel()" in code:
         # The cancel it shows happens, and the answer says so.
-        assert "\ncancelled " in done.stdout, done.stdout
+        assert "\ncancelled " in stdout, stdout
 
 
 def curl_blocks() -> list[tuple[int, str]]:
@@ -126,25 +138,12 @@ def js_blocks() -> list[tuple[int, str]]:
 def tls_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """``host:port`` of a gateway started as ``make run ARGS="--tls-self-signed"`` would
     be (on the sim engine), and the certificate it printed."""
-    folder = tmp_path_factory.mktemp("tls")
-    command = [sys.executable, "-m", "gateway", "--engine", "sim", "--port", "0"]
-    command += ["--tls-self-signed", str(folder)]
-    proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    assert proc.stderr is not None
-    try:
-        cert, found = None, None
-        while found is None:
-            line = proc.stderr.readline()
-            assert line, f"the gateway exited with {proc.wait()} before its ready line"
-            if printed := re.search(r"self-signed certificate for .* at (\S+) ", line):
-                cert = Path(printed.group(1))
-            found = re.search(r"chat page https://(127\.0\.0\.1:\d+)/", line)
-        assert cert is not None and cert.exists(), "the certificate's path was not printed"
-        yield found.group(1), cert
-    finally:
-        proc.terminate()
-        proc.wait(TIMEOUT)
-        proc.stderr.close()
+    with gateway("--tls-self-signed", str(tmp_path_factory.mktemp("tls"))) as lines:
+        printed = [m for line in lines if (m := re.search(r"self-signed .* at (\S+) ", line))]
+        assert printed, f"the certificate's path was not printed: {lines}"
+        found = re.search(r"chat page https://(127\.0\.0\.1:\d+)/", lines[-1])
+        assert found, lines[-1]
+        yield found.group(1), Path(printed[0].group(1))
 
 
 def test_readme_has_a_javascript_block() -> None:
@@ -164,14 +163,4 @@ def test_js_block_runs_as_pasted(
     (tmp_path / "node_modules").symlink_to(NODE_MODULES)  # the README's `npm install openai ws`
     script = tmp_path / "chat.mjs"
     script.write_text(code.replace(ADDRESS, address), encoding="utf-8")
-    done = subprocess.run(
-        ["node", str(script)],
-        cwd=tmp_path,
-        env={**os.environ, "NODE_EXTRA_CA_CERTS": str(cert)},
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    assert done.returncode == 0, f"README.md:{line} failed:\n{done.stderr}"
-    assert done.stdout.strip(), f"README.md:{line} printed nothing"
-    assert done.stdout.endswith("\n"), f"README.md:{line}: the last line is left open"
+    ran(line, ["node", str(script)], tmp_path, {**os.environ, "NODE_EXTRA_CA_CERTS": str(cert)})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,13 +27,14 @@ ROOT = Path(__file__).resolve().parent.parent
 SDK_PYTHON = ROOT / ".venv-sdk" / "bin" / "python"
 
 
-async def run_sdk(program: str, *args: str, timeout: float = 60) -> dict[str, Any]:
-    """Run tests/sdk/PROGRAM in the SDK environment; its last line of output, parsed."""
-    assert SDK_PYTHON.exists(), "no .venv-sdk: run `make install` (or `make test`) first"
+async def run_program(
+    *command: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> dict[str, Any]:
+    """Run a client program (an SDK's, under Python or Node); its last line of output,
+    parsed. ``env`` is added to this process's environment."""
     proc = await asyncio.create_subprocess_exec(
-        str(SDK_PYTHON),
-        str(ROOT / "tests" / "sdk" / program),
-        *args,
+        *command,
+        env={**os.environ, **(env or {})},
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
@@ -46,6 +48,14 @@ async def run_sdk(program: str, *args: str, timeout: float = 60) -> dict[str, An
     assert proc.returncode == 0, err.decode()[-4000:]
     result: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
     return result
+
+
+async def run_sdk(program: str, *args: str, timeout: float = 60) -> dict[str, Any]:
+    """Run tests/sdk/PROGRAM in the SDK environment; its last line of output, parsed."""
+    assert SDK_PYTHON.exists(), "no .venv-sdk: run `make install` (or `make test`) first"
+    return await run_program(
+        str(SDK_PYTHON), str(ROOT / "tests" / "sdk" / program), *args, timeout=timeout
+    )
 
 
 async def realtime_client(engine: Any, scenario: str) -> dict[str, Any]:

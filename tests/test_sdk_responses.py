@@ -9,8 +9,6 @@ mode, and an invalid one is listed under ``invalid``.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,7 @@ import pytest
 from gateway.engines.sim import TOOL_ANSWER_PREFIX, SimEngine
 from tests.harness import running_gateway
 from tests.scripted_engine import ToolLoopEngine
-from tests.test_sdk import run_sdk
+from tests.test_sdk import run_program, run_sdk
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_DIR = ROOT / "tests" / "node"
@@ -86,24 +84,8 @@ async def test_the_agents_sdk_runs_a_tool_loop_over_the_websocket() -> None:
 async def test_openai_node_responses_ws(scenario: str) -> None:
     assert (NODE_DIR / "node_modules" / "openai").exists(), "run `make test` (npm ci)"
     async with running_gateway(SimEngine(step_ms=1, response_tokens=12), api_keys=("k",)) as gw:
-        proc = await asyncio.create_subprocess_exec(
-            "node",
-            str(NODE_DIR / "responses_ws.mjs"),
-            scenario,
-            f"{gw.http_url}/v1",
-            "k",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        try:
-            async with asyncio.timeout(60):
-                out, err = await proc.communicate()
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-    assert proc.returncode == 0, err.decode()[-4000:]
-    result = json.loads(out.decode().strip().splitlines()[-1])
+        node = str(NODE_DIR / "responses_ws.mjs")
+        result = await run_program("node", node, scenario, f"{gw.http_url}/v1", "k")
     assert result["errors"] == [], result
     for turn in result["turns"]:
         assert turn["status"] == "completed" and turn["deltas"] == turn["text"], result

@@ -7,7 +7,6 @@ port; ``--tls-self-signed``."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import shutil
@@ -27,11 +26,11 @@ from gateway.client import connect
 from gateway.engines.sim import TOOL_ANSWER_PREFIX, SimEngine
 from tests.harness import RawClient, running_gateway
 from tests.test_cli import gateway_process, read_until
+from tests.test_sdk import SDK_PYTHON, run_program
 from tests.tls_certs import Pki, make_pki
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_DIR = ROOT / "tests" / "node"
-SDK_PYTHON = ROOT / ".venv-sdk" / "bin" / "python"
 needs_node = pytest.mark.skipif(shutil.which("node") is None, reason="Node is not installed")
 TLS_READY = (
     r"ready in [\d.]+ s: chat page (https://127\.0\.0\.1:(\d+)/) · "
@@ -44,26 +43,6 @@ def pki(tmp_path: Path) -> Pki:
     return make_pki(tmp_path / "tls")
 
 
-async def run(*command: str, env: dict[str, str], timeout: float = 60) -> dict[str, Any]:
-    """Run a client program; its last stdout line is a JSON report."""
-    proc = await asyncio.create_subprocess_exec(
-        *command,
-        env={**os.environ, **env},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        async with asyncio.timeout(timeout):
-            out, err = await proc.communicate()
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode == 0, err.decode()[-4000:]
-    report: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
-    return report
-
-
 # --- openai-node: its clients dial wss:// whatever the base URL ---------------------------
 
 
@@ -74,7 +53,7 @@ async def test_openai_node_realtime_client_over_tls(pki: Pki, scenario: str) -> 
     tokens = 4000 if scenario == "cancel" else 12
     engine = SimEngine(step_ms=2, response_tokens=tokens)
     async with running_gateway(engine, api_keys=("k",), tls=pki.files) as gw:
-        result = await run(
+        result = await run_program(
             "node",
             str(NODE_DIR / "realtime_ws.mjs"),
             scenario,
@@ -102,7 +81,7 @@ async def test_openai_node_realtime_client_over_tls(pki: Pki, scenario: str) -> 
 async def test_openai_node_responses_client_over_tls(pki: Pki, scenario: str) -> None:
     engine = SimEngine(step_ms=1, response_tokens=12)
     async with running_gateway(engine, api_keys=("k",), tls=pki.files) as gw:
-        result = await run(
+        result = await run_program(
             "node",
             str(NODE_DIR / "responses_ws.mjs"),
             scenario,
@@ -139,7 +118,7 @@ async def test_openai_python_streams_a_response_over_https(pki: Pki) -> None:
 async def test_openai_python_realtime_client_over_wss(pki: Pki) -> None:
     engine = SimEngine(step_ms=5, response_tokens=24)
     async with running_gateway(engine, api_keys=("k",), tls=pki.files) as gw:
-        out = await run(
+        out = await run_program(
             str(SDK_PYTHON),
             str(ROOT / "tests" / "sdk" / "realtime_client.py"),
             "multi_turn_and_cancel",
