@@ -1,18 +1,14 @@
-"""The Responses dialect, the HTTP path and the session store, each beside its baseline
-from the same run: ``python -m bench.dialects`` (``make bench`` runs it too).
+"""What the Responses dialect, the HTTP path, the session store and TLS cost per token,
+each beside its baseline from the same run: ``python -m bench.dialects`` (``make bench``
+runs it too). bench.run has the rest of the Responses API's scenarios (lanes, SSE against
+FastAPI + uvicorn, requests per second, ``generate: false`` on llama.cpp).
 
 - ``frame``: one token per frame (the sim flat out, 300-token answers, 50 sessions
   back to back), the gateway's CPU microseconds per token from /proc for: the Realtime
   dialect, the Responses dialect over WebSocket, the Responses API over HTTP (SSE, one
-  event per token, keep-alive), the Realtime dialect with the Redis session store, and
-  a FastAPI + uvicorn SSE endpoint streaming the same events (bench/fastapi_sse.py).
+  event per token, keep-alive) and the Realtime dialect with the Redis session store.
 - ``tls``: one token per frame on the Realtime dialect over ``ws://`` and over the
   gateway's own TLS (``wss://``, ``--tls-self-signed``), alternating: what encryption costs.
-- ``lanes``: one Responses connection at 20 ms steps, 16 lanes against 1: tokens/s.
-- ``rps``: short non-streaming answers (8 tokens, 64 keep-alive connections): requests
-  per second of ``POST /v1/responses`` beside the FastAPI endpoint.
-- ``warmup``: on llama.cpp (the bundled model), time to first token of a turn after a
-  ~1,000-token prefix, cold against warmed by ``generate: false``.
 
 Systems alternate, each run ``--rounds`` times; the tables give the median and range.
 Results: bench/results/dialects.md and .json (dialects-NAME.md for a run with --only NAME).
@@ -29,7 +25,6 @@ import shutil
 import ssl
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -75,29 +70,17 @@ async def realtime_turns(
                     break
 
 
-async def responses_turns(url: str, stop: float, count: list[int], lanes: int = 1) -> None:
+async def responses_turns(url: str, stop: float, count: list[int]) -> None:
     async with connect(url, max_size=None, compression=None) as ws:
-        running = 0
-
-        async def create(lane: int) -> None:
-            body = {"type": "response.create", "input": PROMPT, "store": False}
-            if lanes > 1:
-                body["stream_id"] = f"l{lane}"
-            await ws.send(orjson.dumps(body).decode())
-
-        for lane in range(lanes):
-            await create(lane)
-            running += 1
-        while running:
-            frame = str(await ws.recv())
-            if "output_text.delta" in frame:
-                count[0] += 1
-            elif '"response.completed"' in frame or '"response.incomplete"' in frame:
-                running -= 1
-                if time.monotonic() < stop:
-                    lane = int(orjson.loads(frame).get("stream_id", "l0")[1:])
-                    await create(lane)
-                    running += 1
+        create = orjson.dumps({"type": "response.create", "input": PROMPT, "store": False})
+        while time.monotonic() < stop:
+            await ws.send(create.decode())
+            while True:
+                frame = str(await ws.recv())
+                if "output_text.delta" in frame:
+                    count[0] += 1
+                elif '"response.completed"' in frame or '"response.incomplete"' in frame:
+                    break
 
 
 async def sse_turns(port: int, path: str, stop: float, count: list[int]) -> None:
@@ -123,28 +106,6 @@ async def sse_turns(port: int, path: str, stop: float, count: list[int]) -> None
         writer.close()
 
 
-async def plain_requests(port: int, path: str, stop: float, count: list[int]) -> None:
-    """Non-streaming POSTs back to back on one keep-alive connection."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    body = orjson.dumps({"input": PROMPT, "store": False, "max_output_tokens": 8})
-    request = (
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode() + body
-    try:
-        while time.monotonic() < stop:
-            writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-            await reader.readexactly(length)
-            count[0] += 1
-    finally:
-        writer.close()
-
-
-# -- servers ---------------------------------------------------------------------------
-
-
 @contextlib.contextmanager
 def redis_url() -> Iterator[str | None]:
     if shutil.which("redis-server") is None:
@@ -160,10 +121,6 @@ def redis_url() -> Iterator[str | None]:
         proc.terminate()
         proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def fastapi_argv(tokens: int) -> list[str]:
-    return [sys.executable, "-m", "bench.fastapi_sse", "--response-tokens", str(tokens)]
 
 
 async def measure(pid: int, seconds: float, clients: Any) -> tuple[float, float]:
@@ -219,10 +176,6 @@ def frame(rounds: int, seconds: float, sessions: int) -> dict[str, Any]:
                     url = s.ws_url
                     rt = [lambda stop, n, url=url: realtime_turns(url, stop, n)] * sessions
                     record("realtime+redis", *asyncio.run(measure(s.pid, seconds, rt)))
-            with server_process(fastapi_argv(tokens)) as s:
-                port = s.port
-                fa = [lambda stop, n, p=port: sse_turns(p, "/v1/responses", stop, n)] * sessions
-                record("fastapi-sse", *asyncio.run(measure(s.pid, seconds, fa)))
     return {k: {m: summary(v) for m, v in row.items()} for k, row in results.items()}
 
 
@@ -260,115 +213,6 @@ def tls_frame(rounds: int, seconds: float, sessions: int) -> dict[str, Any]:
     }
 
 
-def lanes(rounds: int, seconds: float) -> dict[str, Any]:
-    rates: dict[str, list[float]] = {"1 lane": [], "16 lanes": []}
-    argv = gateway_argv(loop="uvloop", step_ms=20, response_tokens=50)
-    with server_process(argv) as s:
-        url = s.ws_url.replace("/v1/realtime", "/v1/responses")
-        for _ in range(rounds):
-            for name, n in (("1 lane", 1), ("16 lanes", 16)):
-                clients = [lambda stop, c, n=n: responses_turns(url, stop, c, lanes=n)]
-                _, rate = asyncio.run(measure(s.pid, seconds, clients))
-                rates[name].append(rate)
-                print(f"lanes {name:9} {rate:7.0f} tokens/s", flush=True)
-    ratio = [b / a for a, b in zip(rates["1 lane"], rates["16 lanes"], strict=True)]
-    return {**{k: summary(v) for k, v in rates.items()}, "ratio": summary(ratio)}
-
-
-def rps(rounds: int, seconds: float) -> dict[str, Any]:
-    out: dict[str, list[float]] = {"gateway": [], "fastapi": []}
-    for _ in range(rounds):
-        for name, argv in (
-            ("gateway", gateway_argv(loop="uvloop", step_ms=0, response_tokens=8)),
-            ("fastapi", fastapi_argv(8)),
-        ):
-            with server_process(argv) as s:
-                port = s.port
-                clients = [lambda stop, n, p=port: plain_requests(p, "/v1/responses", stop, n)] * 64
-                cpu, rate = asyncio.run(measure(s.pid, seconds, clients))
-                out[name].append(rate)
-                print(f"rps {name:8} {rate:7.0f} requests/s {cpu:7.0f} us/request", flush=True)
-    return {k: summary(v) for k, v in out.items()}
-
-
-async def _first_delta(ws: Any, ask: dict[str, Any]) -> float:
-    """Seconds from sending ``ask`` to its first text delta (read to its end)."""
-    started = time.perf_counter()
-    await ws.send(orjson.dumps({"type": "response.create", **ask}).decode())
-    first = 0.0
-    while True:
-        event = orjson.loads(await ws.recv())
-        if event["type"] == "response.output_text.delta" and not first:
-            first = time.perf_counter() - started
-        if event["type"] in ("response.completed", "response.incomplete"):
-            return first
-
-
-QUESTION = {"max_output_tokens": 8, "temperature": 0}
-
-
-async def _warm_then_ask(url: str, prefix: str) -> float:
-    """``generate: false`` with the prefix, then the question alone, continuing it."""
-    async with connect(url, max_size=None) as ws:
-        warm = {"type": "response.create", "input": prefix, "generate": False, "temperature": 0}
-        await ws.send(orjson.dumps(warm).decode())
-        while True:
-            event = orjson.loads(await ws.recv())
-            if event["type"] == "response.completed":
-                break
-        ask = {
-            "input": "Summarise it in one line.",
-            "previous_response_id": event["response"]["id"],
-        }
-        return await _first_delta(ws, {**ask, **QUESTION})
-
-
-async def _cold(url: str, prefix: str) -> float:
-    """The prefix and the question in one turn, on a new connection (a cold slot)."""
-    async with connect(url, max_size=None) as ws:
-        turns = [
-            {"role": "user", "content": prefix},
-            {"role": "user", "content": "Summarise it in one line."},
-        ]
-        return await _first_delta(ws, {"input": turns, **QUESTION})
-
-
-def warmup(rounds: int) -> dict[str, Any]:
-    words = [
-        "gateway",
-        "engine",
-        "token",
-        "stream",
-        "session",
-        "answer",
-        "model",
-        "cache",
-        "prefix",
-        "lane",
-        "socket",
-        "batch",
-        "queue",
-        "fair",
-        "fast",
-        "cancel",
-        "resume",
-        "store",
-        "relay",
-        "drain",
-    ]
-    out: dict[str, list[float]] = {"cold": [], "warm": []}
-    argv = [sys.executable, "-m", "gateway", "--log-level", "WARNING", "--ctx", "4096"]
-    with server_process(argv, timeout=180) as s:
-        url = s.ws_url.replace("/v1/realtime", "/v1/responses")
-        for r in range(rounds):
-            prefix = " ".join(words[(i * 7 + r) % len(words)] for i in range(700))  # ~1,000 tokens
-            out["cold"].append(asyncio.run(_cold(url, prefix + f" round {r} cold")))
-            out["warm"].append(asyncio.run(_warm_then_ask(url, prefix + f" round {r} warm")))
-            print(f"warmup cold {out['cold'][-1]:.3f}s warm {out['warm'][-1]:.3f}s", flush=True)
-    ratio = [w / c for c, w in zip(out["cold"], out["warm"], strict=True)]
-    return {**{k: summary(v) for k, v in out.items()}, "ratio": summary(ratio)}
-
-
 def span(d: dict[str, float], digits: int = 1) -> str:
     """``median (min–max)``."""
     return f"{d['median']:.{digits}f} ({d['min']:.{digits}f}–{d['max']:.{digits}f})"
@@ -404,13 +248,6 @@ def report(results: dict[str, Any]) -> str:
                 lines.append(
                     f"- {name} / {base}: {ratio:.2f}x (target: at most {target}x): {verdict}"
                 )
-        if "fastapi-sse" in cost and "responses-sse" in cost:
-            ratio = cost["fastapi-sse"] / cost["responses-sse"]
-            verdict = "met" if ratio >= 2 else "MISSED"
-            lines.append(
-                f"- FastAPI + uvicorn SSE / the gateway's SSE: {ratio:.2f}x the gateway's µs "
-                f"per token (target: at least 2x): {verdict}"
-            )
         lines.append("")
     if "tls" in results:
         r = results["tls"]
@@ -422,33 +259,6 @@ def report(results: dict[str, Any]) -> str:
             f"wss/ws {span(r['ratio'], 2)} (reported, no target)",
             "",
         ]
-    if "lanes" in results:
-        r = results["lanes"]
-        lines += [
-            "## 16 lanes on one Responses connection, 20 ms steps",
-            "",
-            f"- tokens/s: 1 lane {span(r['1 lane'], 0)}, 16 lanes {span(r['16 lanes'], 0)}; "
-            f"ratio {span(r['ratio'])} (target: at least 12x)",
-            "",
-        ]
-    if "rps" in results:
-        r = results["rps"]
-        lines += [
-            "## Short non-streaming answers (8 tokens, 64 keep-alive connections)",
-            "",
-            f"- requests/s: gateway {span(r['gateway'], 0)}, "
-            f"FastAPI + uvicorn {span(r['fastapi'], 0)}",
-            "",
-        ]
-    if "warmup" in results:
-        r = results["warmup"]
-        lines += [
-            "## generate: false on llama.cpp (~1,000-token prefix)",
-            "",
-            f"- time to first token, s: cold {span(r['cold'], 3)}, after the warm-up "
-            f"{span(r['warm'], 3)}; ratio {span(r['ratio'], 2)} (target: at most 0.5)",
-            "",
-        ]
     return "\n".join(lines)
 
 
@@ -457,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--sessions", type=int, default=50)
-    scenarios = ["frame", "tls", "lanes", "rps", "warmup"]
+    scenarios = ["frame", "tls"]
     parser.add_argument("--only", action="append", choices=scenarios)
     args = parser.parse_args(argv)
     chosen = args.only or scenarios
@@ -470,12 +280,6 @@ def main(argv: list[str] | None = None) -> int:
         results["frame"] = frame(args.rounds, args.seconds, args.sessions)
     if "tls" in chosen:
         results["tls"] = tls_frame(args.rounds, args.seconds, args.sessions)
-    if "lanes" in chosen:
-        results["lanes"] = lanes(args.rounds, args.seconds)
-    if "rps" in chosen:
-        results["rps"] = rps(args.rounds, args.seconds)
-    if "warmup" in chosen:
-        results["warmup"] = warmup(args.rounds)
     RESULTS.mkdir(exist_ok=True)
     # A run of some scenarios (--only) is kept apart from the whole run's results.
     name = "dialects" + "".join(f"-{s}" for s in args.only or ())
