@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
 
-from bench.dialects import redis_url, summary
+from bench.dialects import measure, realtime_turns, redis_url, summary
 from bench.procs import gateway_argv, server_process
 from bench.stats import dist
 
@@ -86,6 +86,49 @@ def ttft(rounds: int, seconds: float) -> dict[str, Any]:
         "p99": {k: summary(v) for k, v in p99.items()},
         "added_p99_ms": summary(added),
     }
+
+
+CPU_SYSTEMS = {
+    "memory": [],
+    "memory, resume off": ["--resume-window", "0"],
+    "redis": None,  # --session-store URL
+}
+
+
+def cpu(rounds: int, seconds: float, sessions: int) -> dict[str, Any]:
+    """One token per frame, the sim flat out (``--sim-step-ms 0``): the gateway's CPU per
+    token (/proc) and its tokens per second (saturated: the sim waits for nothing), each
+    system in turn, the order rotated every round."""
+    rows: dict[str, dict[str, list[float]]] = {}
+    names = list(CPU_SYSTEMS)
+    with redis_url() as store:
+        assert store is not None, "needs redis-server"
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                flags = CPU_SYSTEMS[name]
+                extra = ["--session-store", store] if flags is None else flags
+                argv = gateway_argv(loop="uvloop", step_ms=0, response_tokens=300, extra=extra)
+                with server_process(argv) as s:
+                    clients = [
+                        lambda stop, n, url=s.ws_url: realtime_turns(url, stop, n)
+                    ] * sessions
+                    us, rate = asyncio.run(measure(s.pid, seconds, clients))
+                row = rows.setdefault(name, {"us_per_token": [], "tokens_per_s": []})
+                row["us_per_token"].append(us)
+                row["tokens_per_s"].append(rate)
+                print(f"cpu {name:18} {us:6.1f} us/token {rate:8.0f} tokens/s", flush=True)
+    out: dict[str, Any] = {k: {m: summary(v) for m, v in row.items()} for k, row in rows.items()}
+    for base in ("memory", "memory, resume off"):
+        us = [
+            b / a
+            for a, b in zip(rows[base]["us_per_token"], rows["redis"]["us_per_token"], strict=True)
+        ]
+        rate = [
+            b / a
+            for a, b in zip(rows[base]["tokens_per_s"], rows["redis"]["tokens_per_s"], strict=True)
+        ]
+        out[f"redis/{base}"] = {"us_per_token": summary(us), "tokens_per_s": summary(rate)}
+    return out
 
 
 class _Client:

@@ -29,7 +29,11 @@ class Hold(Protocol):
 
     up: bool  # False: nothing to wait for (memory-only meanwhile)
 
-    def after_flush(self, callback: Callable[[], None]) -> None: ...
+    def after_flush(self, callback: Callable[[], None]) -> None:
+        """After everything queued now is stored."""
+
+    def after_logged(self, session_id: str, callback: Callable[[], None]) -> None:
+        """After what ``session_id`` queued so far is stored (not other sessions' writes)."""
 
 
 MAX_HELD = 256  # frames held for the store's flush before the outbox is told to wait
@@ -56,6 +60,7 @@ class SocketWire:
         "_protocol",
         "_sent_bytes",
         "_ws",
+        "session_id",
     )
 
     def __init__(self, ws: ServerConnection, hold: Hold | None = None) -> None:
@@ -68,6 +73,9 @@ class SocketWire:
         self._probed_bytes = 0  # what was sent when the last probe went out
         self._probe: asyncio.Task[None] | None = None
         self._probe_at = 0.0
+        # The session whose outbox writes here (set by the store's persistence at each
+        # attach): its held frames wait for its own writes only. None: for all writes.
+        self.session_id: str | None = None
 
     def writable(self) -> bool:
         return not self._ws.paused and len(self._held) < MAX_HELD
@@ -77,7 +85,10 @@ class SocketWire:
         if hold is not None and hold.up:
             # Out after the flush that puts it in the store: one callback per flush.
             if not self._held:
-                hold.after_flush(self._release)
+                if self.session_id is None:
+                    hold.after_flush(self._release)
+                else:
+                    hold.after_logged(self.session_id, self._release)
             self._held.append(frame)
             return
         self._send(frame)
