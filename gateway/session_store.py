@@ -154,6 +154,7 @@ class _Waiter:
     log: int
     state: int
     callback: Callable[[], None]
+    since: float = 0.0  # a held socket's: when it began to wait (0: not timed)
 
 
 @dataclass(slots=True)
@@ -324,7 +325,7 @@ class RedisStore:
             return
         log_due = self._log_due.get(session_id, 0)
         state_due = max(self._state_due.get(session_id, 0), self._responses_due)
-        self._wait(_Waiter(log_due, state_due, callback))
+        self._wait(_Waiter(log_due, state_due, callback, time.perf_counter()))
 
     def after_flush(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once everything queued now is in Redis (at once while it is
@@ -402,7 +403,11 @@ class RedisStore:
             else:
                 waiting.append(w)
         self._waiters = waiting
+        held = self.metrics.store_hold_seconds if self.metrics is not None else None
+        now = time.perf_counter()
         for w in ready:
+            if held is not None and w.since:
+                held.observe(now - w.since)
             w.callback()
 
     async def _writer(self, lane: _Lane) -> None:
