@@ -287,3 +287,44 @@ async def test_gateway_client_rides_a_rolling_restart_of_two_gateways(
             assert stream.reply is not None and stream.reply.status == "completed"
             assert "".join(deltas) == stream.reply.text
             await pair.finish_restart(turn)
+
+
+async def test_a_takeover_keeps_the_responses_turns_waiting_for_a_slot(
+    redis_server: RedisServer,
+) -> None:
+    async with gateways(redis_server.url, 2, tokens=80) as (a, b):
+        async with ResponsesClient.connect(a.url("/v1/responses")) as c:
+            await c.create(input="A long one")
+            seen = [await c.recv() for _ in range(4)]
+            await c.create(input="And one behind it on the same lane")  # waits for the first
+            session, token = c.session_id, c.resume_token
+            stored = redis_server.client()
+            async with asyncio.timeout(TIMEOUT):
+                while '"waiting":[[null,[{' not in (stored.get(f"llmgw:s:{session}") or ""):
+                    await asyncio.sleep(0.02)
+            seen += [await c.recv() for _ in range(2)]
+            a.kill()
+        headers = {
+            "x-session-id": session,
+            "x-resume-token": token,
+            "x-last-sequence-number": str(seen[-1]["sequence_number"]),
+        }
+        async with asyncio.timeout(TIMEOUT):
+            while True:
+                try:
+                    async with ResponsesClient.connect(
+                        b.url("/v1/responses"), additional_headers=headers
+                    ) as r:
+                        first = await r.collect()
+                        second = await r.collect()
+                        break
+                except Exception:
+                    await asyncio.sleep(0.5)  # the dead owner's lease has not run out yet
+        events = seen + first.events + second.events
+        numbers = [e["sequence_number"] for e in events]
+        assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+        assert first.response["status"] == second.response["status"] == "completed"
+        assert first.id != second.id and second.done_text
+        # The second turn waited for the first: every delta before its end is the first's.
+        deltas = [e["delta"] for e in seen + first.events if e["type"].endswith("text.delta")]
+        assert "".join(deltas) == first.done_text
