@@ -18,7 +18,7 @@ one pipeline per loop turn and lane, which is to say per engine step: frames on 
 log lane, states, leases and responses on the state lane (see :class:`RedisStore`). A
 frame reaches its client only once the log has it, and its session's state as it was
 when the frame was numbered: a socket's writes are held until then
-(:meth:`RedisStore.after_logged`), so a process that dies can lose nothing a client
+(:meth:`RedisStore.due`), so a process that dies can lose nothing a client
 has seen. The
 keys of a session expire ``--resume-window`` after its process stops renewing them.
 
@@ -169,7 +169,7 @@ class RedisStore:
     its own: the **log lane** appends frames to the event logs; the **state lane** writes
     sessions' states, leases and stored responses. A socket's held frames go out once the
     log lane has written them *and* the state lane has written what their own session
-    queued before them (:meth:`after_logged`): a ``response.created`` never reaches a
+    queued before them (:meth:`due`): a ``response.created`` never reaches a
     client before the state that has its response in flight, yet a delta never waits
     behind the states of other sessions. Each lane writes its flushes in order, so a
     session's log entries arrive in sequence and its state is never older than the one
@@ -316,16 +316,22 @@ class RedisStore:
         self._responses.append((response_id, None, 0))
         self._state_lane.wake.set()
 
-    def after_logged(self, session_id: str, callback: Callable[[], None]) -> None:
-        """Run ``callback`` once what ``session_id`` queued so far is in Redis, its frames
-        and its state (and any stored response queued so far): not behind other
-        sessions' writes. At once while Redis is down."""
+    def due(self, session_id: str | None) -> tuple[int, int]:
+        """The flush of each lane (log, state) that writes what ``session_id`` queued so
+        far, its frames and its state, and any stored response queued so far (None: what
+        every session queued). A held frame waits for these, not other sessions' writes."""
+        if session_id is None:
+            return self._log_lane.next, self._state_lane.next
+        state_due = max(self._state_due.get(session_id, 0), self._responses_due)
+        return self._log_due.get(session_id, 0), state_due
+
+    def after(self, due: tuple[int, int], callback: Callable[[], None]) -> None:
+        """Run ``callback`` once the flushes ``due`` (see :meth:`due`) are written (at once
+        while Redis is down)."""
         if not self.up:
             callback()
             return
-        log_due = self._log_due.get(session_id, 0)
-        state_due = max(self._state_due.get(session_id, 0), self._responses_due)
-        self._wait(_Waiter(log_due, state_due, callback, time.perf_counter()))
+        self._wait(_Waiter(due[0], due[1], callback, time.perf_counter()))
 
     def after_flush(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once everything queued now is in Redis (at once while it is
@@ -444,7 +450,9 @@ class RedisStore:
             if self.metrics is not None:
                 self.metrics.store_flush_seconds.observe(time.perf_counter() - started)
             self._forget_written(lane)
-            self._call_back()
+            # The sockets' releases (a transport write each) after this lane's next flush
+            # has gone out, not before it: they are ready now, the next flush is not.
+            asyncio.get_running_loop().call_soon(self._call_back)
 
     def _forget_written(self, lane: _Lane) -> None:
         due = self._log_due if lane is self._log_lane else self._state_due
