@@ -18,9 +18,8 @@ one pipeline per loop turn and lane, which is to say per engine step: frames on 
 log lane, states, leases and responses on the state lane (see :class:`RedisStore`). A
 frame reaches its client only once the log has it, and its session's state as it was
 when the frame was numbered: a socket's writes are held until then
-(:meth:`RedisStore.due`), so a process that dies can lose nothing a client
-has seen. The
-keys of a session expire ``--resume-window`` after its process stops renewing them.
+(:meth:`RedisStore.due`), so a process that dies can lose nothing a client has seen.
+The keys of a session expire ``--resume-window`` after its process stops renewing them.
 
 While Redis is down or slow the gateway goes on memory-only (documented in
 docs/deployment.md): sockets are no longer held, writes wait in a bounded buffer
