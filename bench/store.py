@@ -4,6 +4,9 @@
 - ``ttft``: time to first token at 100 sessions (sim at 20 ms steps, 32-token answers, a
   random think time so that arrivals fall anywhere in a step), memory store against
   Redis store, alternating over rounds: the p50 and p99 of each and what the store adds.
+- ``cpu``: one token per frame, the sim flat out, 50 sessions: the gateway's CPU per
+  token and its saturated tokens per second, memory store (resume on, and off as
+  bench/dialects.py's baseline) against Redis store, the order rotated every round.
 - ``rolling``: 200 sessions streaming on gateway A, A gets SIGTERM (``--drain-timeout
   0.3``), every client resumes on gateway B: how long from the 1012 close to
   ``session.resumed`` (p50, p99), how many sessions were lost, and whether any text was
@@ -28,12 +31,13 @@ from typing import Any
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
 
-from bench.dialects import redis_url, summary
+from bench.dialects import measure, realtime_turns, redis_url, summary
 from bench.procs import gateway_argv, server_process
 from bench.stats import dist
 
 RESULTS = Path(__file__).parent / "results"
 ITEM = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]}
+HOLD = "gateway_session_store_hold_seconds"
 CREATE_ITEM = orjson.dumps({"type": "conversation.item.create", "item": ITEM}).decode()
 
 
@@ -64,28 +68,102 @@ async def _ttft(url: str, sessions: int, seconds: float) -> list[float]:
     return out[len(out) // 5 :]  # the first fifth is the warm-up
 
 
+def histogram_quantiles(metrics: bytes, name: str, qs: tuple[float, ...]) -> list[float]:
+    """Quantiles (ms) of a Prometheus histogram in ``metrics``, linear within a bucket."""
+    bounds: list[tuple[float, int]] = []
+    for line in metrics.decode().splitlines():
+        if line.startswith(f"{name}_bucket{{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            bounds.append((float(le), int(float(line.rsplit(" ", 1)[1]))))
+    total = bounds[-1][1] if bounds else 0
+    out = []
+    for q in qs:
+        rank, lower, below = q * total, 0.0, 0
+        for bound, cumulative in bounds:
+            if cumulative >= rank and cumulative > below:
+                upper = bound if bound != float("inf") else lower
+                out.append(1000 * (lower + (upper - lower) * (rank - below) / (cumulative - below)))
+                break
+            lower, below = bound, cumulative
+        else:
+            out.append(0.0)
+    return out
+
+
 def ttft(rounds: int, seconds: float) -> dict[str, Any]:
     p50: dict[str, list[float]] = {"memory": [], "redis": []}
     p99: dict[str, list[float]] = {"memory": [], "redis": []}
+    hold: dict[str, list[float]] = {"p50": [], "p99": []}
     with redis_url() as store:
         assert store is not None, "needs redis-server"
-        for _ in range(rounds):
-            for name in ("memory", "redis"):
+        for r in range(rounds):
+            for name in ("memory", "redis") if r % 2 == 0 else ("redis", "memory"):
                 extra = ["--session-store", store] if name == "redis" else []
                 argv = gateway_argv(
                     loop="uvloop", step_ms=20, max_batch=256, response_tokens=32, extra=extra
                 )
                 with server_process(argv) as s:
                     d = dist(asyncio.run(_ttft(s.ws_url, 100, seconds)))
+                    if name == "redis":
+                        held = histogram_quantiles(s.get("/metrics"), HOLD, (0.5, 0.99))
+                        hold["p50"].append(held[0])
+                        hold["p99"].append(held[1])
+                        print(f"hold p50 {held[0]:.2f} ms p99 {held[1]:.2f} ms", flush=True)
                 p50[name].append(d["p50"])
                 p99[name].append(d["p99"])
                 print(f"ttft {name:6} p50 {d['p50']:.2f} ms p99 {d['p99']:.2f} ms", flush=True)
     added = [r - m for m, r in zip(p99["memory"], p99["redis"], strict=True)]
+    added50 = [r - m for m, r in zip(p50["memory"], p50["redis"], strict=True)]
     return {
         "p50": {k: summary(v) for k, v in p50.items()},
         "p99": {k: summary(v) for k, v in p99.items()},
+        "added_p50_ms": summary(added50),
         "added_p99_ms": summary(added),
+        "hold_ms": {k: summary(v) for k, v in hold.items()},
     }
+
+
+CPU_SYSTEMS = {
+    "memory": [],
+    "memory, resume off": ["--resume-window", "0"],
+    "redis": None,  # --session-store URL
+}
+
+
+def cpu(rounds: int, seconds: float, sessions: int) -> dict[str, Any]:
+    """One token per frame, the sim flat out (``--sim-step-ms 0``): the gateway's CPU per
+    token (/proc) and its tokens per second (saturated: the sim waits for nothing), each
+    system in turn, the order rotated every round."""
+    rows: dict[str, dict[str, list[float]]] = {}
+    names = list(CPU_SYSTEMS)
+    with redis_url() as store:
+        assert store is not None, "needs redis-server"
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                flags = CPU_SYSTEMS[name]
+                extra = ["--session-store", store] if flags is None else flags
+                argv = gateway_argv(loop="uvloop", step_ms=0, response_tokens=300, extra=extra)
+                with server_process(argv) as s:
+                    clients = [
+                        lambda stop, n, url=s.ws_url: realtime_turns(url, stop, n)
+                    ] * sessions
+                    us, rate = asyncio.run(measure(s.pid, seconds, clients))
+                row = rows.setdefault(name, {"us_per_token": [], "tokens_per_s": []})
+                row["us_per_token"].append(us)
+                row["tokens_per_s"].append(rate)
+                print(f"cpu {name:18} {us:6.1f} us/token {rate:8.0f} tokens/s", flush=True)
+    out: dict[str, Any] = {k: {m: summary(v) for m, v in row.items()} for k, row in rows.items()}
+    for base in ("memory", "memory, resume off"):
+        us = [
+            b / a
+            for a, b in zip(rows[base]["us_per_token"], rows["redis"]["us_per_token"], strict=True)
+        ]
+        rate = [
+            b / a
+            for a, b in zip(rows[base]["tokens_per_s"], rows["redis"]["tokens_per_s"], strict=True)
+        ]
+        out[f"redis/{base}"] = {"us_per_token": summary(us), "tokens_per_s": summary(rate)}
+    return out
 
 
 class _Client:
@@ -187,7 +265,36 @@ def report(results: dict[str, Any]) -> str:
             "",
             f"- memory store: p50 {_span(t['p50']['memory'])}, p99 {_span(t['p99']['memory'])}",
             f"- Redis store: p50 {_span(t['p50']['redis'])}, p99 {_span(t['p99']['redis'])}",
-            f"- added p99: {_span(t['added_p99_ms'])} (target: at most 2 ms)",
+            f"- added p50: {_span(t['added_p50_ms'])}; added p99: {_span(t['added_p99_ms'])} "
+            "(target: at most 2 ms at p99)",
+            f"- what the store holds a socket's frames for (`{HOLD}`, the Redis "
+            f"gateway's own histogram over the same run): p50 {_span(t['hold_ms']['p50'])}, "
+            f"p99 {_span(t['hold_ms']['p99'])}",
+            "",
+        ]
+    if "cpu" in results:
+        c = results["cpu"]
+        lines += [
+            "## One token per frame, the sim flat out (50 sessions, 300-token answers), median "
+            f"(min–max) of {results['rounds']} rounds, the order rotated",
+            "",
+            "| system | gateway CPU µs per token | tokens/s (saturated) |",
+            "|---|---|---|",
+        ]
+        for name in CPU_SYSTEMS:
+            row = c[name]
+            lines.append(
+                f"| {name} | {_span(row['us_per_token'])} | {_span(row['tokens_per_s'], 0)} |"
+            )
+        for base in ("memory", "memory, resume off"):
+            ratio = c[f"redis/{base}"]
+            lines.append(
+                f"| redis ÷ {base} (same round) | ×{_span(ratio['us_per_token'])} "
+                f"(target ≤ ×1.3) | ×{_span(ratio['tokens_per_s'])} (target within 10 %) |"
+            )
+        lines += [
+            "",
+            "CPU is the gateway process's only (/proc): Redis's own CPU is not in it.",
             "",
         ]
     if "rolling" in results:
@@ -203,8 +310,8 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _span(d: dict[str, float]) -> str:
-    return f"{d['median']:.2f} ({d['min']:.2f}–{d['max']:.2f})"
+def _span(d: dict[str, float], digits: int = 2) -> str:
+    return f"{d['median']:.{digits}f} ({d['min']:.{digits}f}–{d['max']:.{digits}f})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,10 +319,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--sessions", type=int, default=200)
+    parser.add_argument(
+        "--only", choices=("ttft", "cpu", "rolling"), action="append", help="these scenarios"
+    )
     args = parser.parse_args(argv)
+    only = set(args.only or ("ttft", "cpu", "rolling"))
     results: dict[str, Any] = {"rounds": args.rounds}
-    results["ttft"] = ttft(args.rounds, args.seconds)
-    results["rolling"] = rolling(args.rounds, args.sessions)
+    if "ttft" in only:
+        results["ttft"] = ttft(args.rounds, args.seconds)
+    if "cpu" in only:
+        results["cpu"] = cpu(args.rounds, args.seconds, 50)
+    if "rolling" in only:
+        results["rolling"] = rolling(args.rounds, args.sessions)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "store.json").write_text(json.dumps(results, indent=2))
     text = report(results)

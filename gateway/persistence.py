@@ -77,6 +77,12 @@ def response_from(data: bytes) -> StoredResponse:
     )
 
 
+def _serve(wire: object, session_id: str) -> None:
+    """A socket now serving ``session_id``: its held frames wait for that session's writes."""
+    if isinstance(wire, SocketWire):
+        wire.session_id = session_id
+
+
 class Persistence:
     """One gateway's use of its store (see the module docstring)."""
 
@@ -93,6 +99,7 @@ class Persistence:
         """Save ``session`` from now on, and hold its lease."""
         store, session_id, name = self.store, session.id, dialect_name(session)
         session.outbox.on_sent = lambda seq, frame: store.log(session_id, seq, frame)
+        session.outbox.on_attach = lambda wire: _serve(wire, session_id)
 
         def changed(s: Session) -> None:
             store.save(session_id, lambda: snapshot.dump(s, name))
@@ -119,6 +126,7 @@ class Persistence:
             self.store.save(session.id, lambda data=data: data)  # type: ignore[misc]
             self.store.release(session.id, window)
             session.outbox.on_sent = None
+            session.outbox.on_attach = None
             session.on_change = None
             # At once, with no await before it: a frame numbered from now on would reach
             # the client without being in the log. What is pending still goes, after the

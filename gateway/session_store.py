@@ -14,10 +14,12 @@
   own forwards its client's frames on (the relay; see gateway/store_relay.py).
 
 The token path never awaits the store. Writes are queued (a list append) and leave in
-one pipeline per loop turn, which is to say per engine step. A frame reaches its
-client only once the log has it: a socket's writes are held until the flush that
-carries them (``hold``), so a process that dies can lose nothing a client has seen. The
-keys of a session expire ``--resume-window`` after its process stops renewing them.
+one pipeline per loop turn and lane, which is to say per engine step: frames on the
+log lane, states, leases and responses on the state lane (see :class:`RedisStore`). A
+frame reaches its client only once the log has it, and its session's state as it was
+when the frame was numbered: a socket's writes are held until then
+(:meth:`RedisStore.due`), so a process that dies can lose nothing a client has seen.
+The keys of a session expire ``--resume-window`` after its process stops renewing them.
 
 While Redis is down or slow the gateway goes on memory-only (documented in
 docs/deployment.md): sockets are no longer held, writes wait in a bounded buffer
@@ -70,8 +72,16 @@ for k = 1, #KEYS do
 end
 return 0
 """
+# The lease is renewed if this process holds it, and taken again if it is gone while the
+# session's state is there (a Redis that restarted without its data): never taken from
+# another owner, never made for a session whose keys were deleted.
 _RENEW = """
-if redis.call('get', KEYS[1]) == ARGV[1] then
+local owner = redis.call('get', KEYS[1])
+if owner == false and redis.call('exists', KEYS[2]) == 1 then
+  redis.call('set', KEYS[1], ARGV[1], 'px', ARGV[2])
+  owner = ARGV[1]
+end
+if owner == ARGV[1] then
   redis.call('pexpire', KEYS[1], ARGV[2])
   redis.call('pexpire', KEYS[2], ARGV[3])
   redis.call('pexpire', KEYS[3], ARGV[3])
@@ -102,14 +112,48 @@ def channel(process: str) -> str:
 
 
 @dataclass(slots=True)
-class _Pending:
-    """What one session has to write at the next flush."""
+class _LogWrites:
+    """What one session has for the log lane at its next flush."""
 
     frames: list[tuple[int, bytes]] = field(default_factory=list)
-    state: Callable[[], bytes] | None = None  # serialized at flush time: once per flush
     trim_before: int | None = None
+    expire_in: float | None = None  # let go: the log lives this long
     forget: bool = False
-    release_for: float | None = None  # let go of the lease; keys live this long
+
+
+@dataclass(slots=True)
+class _StateWrites:
+    """What one session has for the state lane at its next flush."""
+
+    state: Callable[[], bytes] | None = None  # serialized at flush time: once per flush
+    own: bool = False  # take the lease
+    release_for: float | None = None  # let go of the lease; the state lives this long
+    forget: bool = False
+
+
+@dataclass(slots=True)
+class _Lane:
+    """One writer task and what waits for it. ``started``: flushes begun; ``done``:
+    flushes written. What is queued now leaves in flush ``started + 1``."""
+
+    name: str
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    started: int = 0
+    done: int = 0
+
+    @property
+    def next(self) -> int:
+        return self.started + 1
+
+
+@dataclass(slots=True)
+class _Waiter:
+    """A callback and the flush of each lane it waits for."""
+
+    log: int
+    state: int
+    callback: Callable[[], None]
+    since: float = 0.0  # a held socket's: when it began to wait (0: not timed)
 
 
 @dataclass(slots=True)
@@ -120,6 +164,17 @@ class Loaded:
 
 
 class RedisStore:
+    """Two writer tasks ("lanes"), each one pipeline per loop turn, each on a connection of
+    its own: the **log lane** appends frames to the event logs; the **state lane** writes
+    sessions' states, leases and stored responses. A socket's held frames go out once the
+    log lane has written them *and* the state lane has written what their own session
+    queued before them (:meth:`due`): a ``response.created`` never reaches a
+    client before the state that has its response in flight, yet a delta never waits
+    behind the states of other sessions. Each lane writes its flushes in order, so a
+    session's log entries arrive in sequence and its state is never older than the one
+    written before it; keys are split between lanes (``l:`` to the log lane, ``s:`` and
+    ``o:`` to the state lane), so no lane's write can land after the other's delete."""
+
     def __init__(
         self,
         url: str,
@@ -149,11 +204,19 @@ class RedisStore:
         self.client: redis.Redis = redis.Redis(connection_pool=pool)
         self.up = False
         self.buffered_bytes = 0
-        self._pending: dict[str, _Pending] = {}
+        self._logs: dict[str, _LogWrites] = {}
+        self._states: dict[str, _StateWrites] = {}
         self._responses: list[tuple[str, bytes | None, float]] = []  # None: delete
         self._owned: set[str] = set()
-        self._after_flush: list[Callable[[], None]] = []
-        self._wake = asyncio.Event()
+        self._trimmed: dict[str, int] = {}  # the log's first kept entry, as last trimmed
+        self._log_lane = _Lane("log")
+        self._state_lane = _Lane("state")
+        # The flush of each lane that carries a session's latest queued write, while it
+        # is not written yet (what a held frame of that session waits for).
+        self._log_due: dict[str, int] = {}
+        self._state_due: dict[str, int] = {}
+        self._responses_due = 0  # a stored response: every held frame waits for it
+        self._waiters: list[_Waiter] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
         self._renew: Any = None
@@ -177,7 +240,8 @@ class RedisStore:
             )
         loop = asyncio.get_running_loop()
         self._tasks = [
-            loop.create_task(self._writer(), name="store-writer"),
+            loop.create_task(self._writer(self._log_lane), name="store-log-writer"),
+            loop.create_task(self._writer(self._state_lane), name="store-state-writer"),
             loop.create_task(self._renewer(), name="store-leases"),
         ]
 
@@ -187,7 +251,6 @@ class RedisStore:
         self._closing = True
         for session_id in list(self._owned):
             self.release(session_id, self.resume_window)
-        self._wake.set()
         with contextlib.suppress(TimeoutError, RedisError, OSError):
             async with asyncio.timeout(5):
                 await self.flush()
@@ -199,82 +262,125 @@ class RedisStore:
         with contextlib.suppress(RedisError, OSError):
             await self.client.aclose()
 
-    # -- writes: queued, sent by the writer task --------------------------------------
+    # -- writes: queued, sent by the lanes' writer tasks ------------------------------
 
     def log(self, session_id: str, seq: int, frame: bytes) -> None:
-        pending = self._pending.get(session_id)
-        if pending is None:
-            pending = self._pending[session_id] = _Pending()
-        pending.frames.append((seq, frame))
+        self._log_entry(session_id).frames.append((seq, frame))
         self.buffered_bytes += len(frame)
         if self.buffered_bytes > self.max_buffer_bytes:
             self._shed()
-        self._kick()
 
     def save(self, session_id: str, state: Callable[[], bytes]) -> None:
         """Save the session (``state`` is called at the flush, once however often asked)."""
-        self._entry(session_id).state = state
-        self._kick()
+        self._state_entry(session_id).state = state
 
     def trim(self, session_id: str, first_kept: int) -> None:
-        self._entry(session_id).trim_before = first_kept
+        if self._trimmed.get(session_id) == first_kept:
+            return  # an XTRIM only when the replay buffer's start moved
+        self._trimmed[session_id] = first_kept
+        self._log_entry(session_id).trim_before = first_kept
 
     def own(self, session_id: str) -> None:
         self._owned.add(session_id)
-        self._entry(session_id).release_for = None
-        self._kick()
+        entry = self._state_entry(session_id)
+        entry.own, entry.release_for = True, None
+        self._log_entry(session_id).expire_in = None
 
     def release(self, session_id: str, keep_for: float) -> None:
         """This process no longer holds the session: its keys live ``keep_for`` seconds
         (for a resume elsewhere)."""
         self._owned.discard(session_id)
-        self._entry(session_id).release_for = keep_for
-        self._kick()
+        self._trimmed.pop(session_id, None)
+        entry = self._state_entry(session_id)
+        entry.own, entry.release_for = False, keep_for
+        self._log_entry(session_id).expire_in = keep_for
 
     def forget(self, session_id: str) -> None:
         """The session ended for good: its keys go."""
         self._owned.discard(session_id)
-        pending = self._entry(session_id)
-        self.buffered_bytes -= sum(len(f) for _, f in pending.frames)
-        pending.frames.clear()
-        pending.state = None
-        pending.forget = True
-        self._kick()
+        self._trimmed.pop(session_id, None)
+        logs = self._log_entry(session_id)
+        self.buffered_bytes -= sum(len(f) for _, f in logs.frames)
+        logs.frames.clear()
+        logs.forget = True
+        state = self._state_entry(session_id)
+        state.state, state.forget = None, True
 
     def put_response(self, response_id: str, data: bytes, ttl: float) -> None:
         self._responses.append((response_id, data, ttl))
-        self._kick()
+        self._responses_due = self._state_lane.next
+        self._state_lane.wake.set()
 
     def delete_response(self, response_id: str) -> None:
         self._responses.append((response_id, None, 0))
-        self._kick()
+        self._state_lane.wake.set()
 
-    def after_flush(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` once what is queued now is in Redis (at once while it is down)."""
+    def due(self, session_id: str | None) -> tuple[int, int]:
+        """The flush of each lane (log, state) that writes what ``session_id`` queued so
+        far, its frames and its state, and any stored response queued so far (None: what
+        every session queued). A held frame waits for these, not other sessions' writes."""
+        if session_id is None:
+            return self._log_lane.next, self._state_lane.next
+        state_due = max(self._state_due.get(session_id, 0), self._responses_due)
+        return self._log_due.get(session_id, 0), state_due
+
+    def after(self, due: tuple[int, int], callback: Callable[[], None]) -> None:
+        """Run ``callback`` once the flushes ``due`` (see :meth:`due`) are written (at once
+        while Redis is down)."""
         if not self.up:
             callback()
             return
-        self._after_flush.append(callback)
-        self._kick()
+        self._wait(_Waiter(due[0], due[1], callback, time.perf_counter()))
 
-    def _entry(self, session_id: str) -> _Pending:
-        pending = self._pending.get(session_id)
-        if pending is None:
-            pending = self._pending[session_id] = _Pending()
-        return pending
+    def after_flush(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once everything queued now is in Redis (at once while it is
+        down)."""
+        if not self.up:
+            callback()
+            return
+        self._wait(_Waiter(self._log_lane.next, self._state_lane.next, callback))
 
-    def _kick(self) -> None:
-        self._wake.set()
+    def _wait(self, waiter: _Waiter) -> None:
+        self._waiters.append(waiter)
+        # A lane with nothing to write still counts a flush, and calls back whoever waits.
+        if waiter.log > self._log_lane.done:
+            self._log_lane.wake.set()
+        if waiter.state > self._state_lane.done:
+            self._state_lane.wake.set()
+        if waiter.log <= self._log_lane.done and waiter.state <= self._state_lane.done:
+            # Nothing left to wait for, but never on the caller's stack (it may be about
+            # to hold the frame this callback sends): at the next flush of the log lane.
+            waiter.log = self._log_lane.next
+            self._log_lane.wake.set()
+
+    def _log_entry(self, session_id: str) -> _LogWrites:
+        entry = self._logs.get(session_id)
+        if entry is None:
+            entry = self._logs[session_id] = _LogWrites()
+        lane = self._log_lane
+        self._log_due[session_id] = lane.next
+        lane.wake.set()
+        return entry
+
+    def _state_entry(self, session_id: str) -> _StateWrites:
+        entry = self._states.get(session_id)
+        if entry is None:
+            entry = self._states[session_id] = _StateWrites()
+        lane = self._state_lane
+        self._state_due[session_id] = lane.next
+        lane.wake.set()
+        return entry
 
     def _shed(self) -> None:
         """Over the buffer: the oldest session's log goes (that session can then not be
         resumed elsewhere: its state is deleted when Redis is back)."""
-        for pending in self._pending.values():
-            if pending.frames:
-                self.buffered_bytes -= sum(len(f) for _, f in pending.frames)
-                pending.frames.clear()
-                pending.state = None
-                pending.forget = True
+        for session_id, entry in self._logs.items():
+            if entry.frames:
+                self.buffered_bytes -= sum(len(f) for _, f in entry.frames)
+                entry.frames.clear()
+                entry.forget = True
+                state = self._states.setdefault(session_id, _StateWrites())
+                state.state, state.forget = None, True
                 if self.metrics is not None:
                     self.metrics.store_dropped.inc()
                 if self.buffered_bytes <= self.max_buffer_bytes:
@@ -291,17 +397,34 @@ class RedisStore:
         self.after_flush(flushed)
         await done
 
-    async def _writer(self) -> None:
+    def _call_back(self, *, everyone: bool = False) -> None:
+        """Run the callbacks whose flushes are written (all of them: Redis failed, the
+        sockets are not held meanwhile)."""
+        log_done, state_done = self._log_lane.done, self._state_lane.done
+        ready, waiting = [], []
+        for w in self._waiters:
+            if everyone or (w.log <= log_done and w.state <= state_done):
+                ready.append(w)
+            else:
+                waiting.append(w)
+        self._waiters = waiting
+        held = self.metrics.store_hold_seconds if self.metrics is not None else None
+        now = time.perf_counter()
+        for w in ready:
+            if held is not None and w.since:
+                held.observe(now - w.since)
+            w.callback()
+
+    async def _writer(self, lane: _Lane) -> None:
         backoff = 0.05
+        write = self._write_logs if lane is self._log_lane else self._write_states
         while True:
-            await self._wake.wait()
-            self._wake.clear()
-            pending, self._pending = self._pending, {}
-            responses, self._responses = self._responses, []
-            callbacks, self._after_flush = self._after_flush, []
+            await lane.wake.wait()
+            lane.wake.clear()
+            lane.started += 1
             started = time.perf_counter()
             try:
-                await self._write(pending, responses)
+                await write()
             except (RedisError, OSError) as exc:
                 if self.up:
                     log.warning(
@@ -310,69 +433,106 @@ class RedisStore:
                 self._set_up(False)
                 if self.metrics is not None:
                     self.metrics.store_errors.inc()
-                self._requeue(pending, responses)
-                for callback in callbacks:
-                    callback()  # degraded: the sockets are not held meanwhile
+                lane.done = lane.started  # what it had waits in the queue again
+                self._call_back(everyone=True)
                 await asyncio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
-                self._wake.set()
+                lane.wake.set()
                 continue
             backoff = 0.05
             if not self.up:
                 log.info("session store is back: sessions are stored again")
+                for session_id in self._owned:  # Redis may have lost the leases
+                    self._state_entry(session_id).own = True
             self._set_up(True)
+            lane.done = lane.started
             if self.metrics is not None:
                 self.metrics.store_flush_seconds.observe(time.perf_counter() - started)
-            for callback in callbacks:
-                callback()
+            self._forget_written(lane)
+            # The sockets' releases (a transport write each) after this lane's next flush
+            # has gone out, not before it: they are ready now, the next flush is not.
+            asyncio.get_running_loop().call_soon(self._call_back)
 
-    def _requeue(
-        self, pending: dict[str, _Pending], responses: list[tuple[str, bytes | None, float]]
-    ) -> None:
-        for session_id, old in pending.items():
-            new = self._pending.get(session_id)
+    def _forget_written(self, lane: _Lane) -> None:
+        due = self._log_due if lane is self._log_lane else self._state_due
+        if len(due) > 2 * len(self._owned) + 64:  # bounded: entries of written flushes go
+            done = lane.done
+            for session_id in [k for k, v in due.items() if v <= done]:
+                del due[session_id]
+
+    async def _write_logs(self) -> None:
+        taken, self._logs = self._logs, {}
+        try:
+            await self._send_logs(taken)
+        except BaseException:
+            self._requeue_logs(taken)
+            raise
+
+    async def _send_logs(self, taken: dict[str, _LogWrites]) -> None:
+        ttl = self.key_ttl_ms
+        pipe = self.client.pipeline(transaction=False)
+        keys: list[str] = []
+        args: list[Any] = [ttl]
+        for session_id, p in taken.items():
+            if p.frames and not p.forget:
+                # An id not above the stream's top (a frame a takeover's process wrote
+                # already) is refused alone (pcall): the others still go in.
+                keys.append(log_key(session_id))
+                args += (p.frames[0][0], b"\n".join(frame for _, frame in p.frames))
+        if keys:
+            await self._append(keys=keys, args=args, client=pipe)
+        for session_id, p in taken.items():
+            key = log_key(session_id)
+            if p.forget:
+                pipe.delete(key)
+                continue
+            if p.trim_before is not None:
+                pipe.xtrim(key, minid=f"{p.trim_before}-0")
+            if p.expire_in is not None:
+                pipe.pexpire(key, max(1, int(1000 * p.expire_in)))
+        if len(pipe):
+            await pipe.execute(raise_on_error=False)
+        for p in taken.values():
+            self.buffered_bytes -= sum(len(f) for _, f in p.frames)
+
+    def _requeue_logs(self, taken: dict[str, _LogWrites]) -> None:
+        for session_id, old in taken.items():
+            new = self._logs.get(session_id)
             if new is None:
-                self._pending[session_id] = old
+                self._logs[session_id] = old
                 continue
             if old.forget or new.forget:
                 continue
             new.frames[:0] = old.frames
-            new.state = new.state or old.state
             new.trim_before = new.trim_before or old.trim_before
-        self._responses[:0] = responses
+            if new.expire_in is None:
+                new.expire_in = old.expire_in
 
-    async def _write(
-        self, pending: dict[str, _Pending], responses: list[tuple[str, bytes | None, float]]
+    async def _write_states(self) -> None:
+        taken, self._states = self._states, {}
+        responses, self._responses = self._responses, []
+        try:
+            await self._send_states(taken, responses)
+        except BaseException:
+            self._requeue_states(taken, responses)
+            raise
+
+    async def _send_states(
+        self, taken: dict[str, _StateWrites], responses: list[tuple[str, bytes | None, float]]
     ) -> None:
         ttl = self.key_ttl_ms
         pipe = self.client.pipeline(transaction=False)
-        logs: list[str] = []
-        frames: list[Any] = [ttl]
-        for session_id, p in pending.items():
-            if p.frames and not p.forget:
-                # An id not above the stream's top (a frame a takeover's process wrote
-                # already) is refused alone (pcall): the others still go in.
-                logs.append(log_key(session_id))
-                blob = b"\n".join(frame for _, frame in p.frames)
-                frames += (p.frames[0][0], blob)
-                self.buffered_bytes -= len(blob) - len(p.frames) + 1
-        if logs:
-            await self._append(keys=logs, args=frames, client=pipe)
-        for session_id, p in pending.items():
+        for session_id, p in taken.items():
             if p.forget:
-                pipe.delete(state_key(session_id), log_key(session_id), owner_key(session_id))
+                pipe.delete(state_key(session_id), owner_key(session_id))
                 continue
             if p.state is not None:
                 pipe.set(state_key(session_id), p.state(), px=ttl)
-            if p.trim_before is not None:
-                pipe.xtrim(log_key(session_id), minid=f"{p.trim_before}-0")
-            if session_id in self._owned:
+            if p.own:
                 pipe.set(owner_key(session_id), self.process, px=int(1000 * self.lease_seconds))
             elif p.release_for is not None:
-                keep = max(1, int(1000 * p.release_for))
                 pipe.delete(owner_key(session_id))
-                pipe.pexpire(state_key(session_id), keep)
-                pipe.pexpire(log_key(session_id), keep)
+                pipe.pexpire(state_key(session_id), max(1, int(1000 * p.release_for)))
         for response_id, data, seconds in responses:
             if data is None:
                 pipe.delete(response_key(response_id))
@@ -380,6 +540,21 @@ class RedisStore:
                 pipe.set(response_key(response_id), data, px=max(1, int(1000 * seconds)))
         if len(pipe):
             await pipe.execute(raise_on_error=False)
+
+    def _requeue_states(
+        self, taken: dict[str, _StateWrites], responses: list[tuple[str, bytes | None, float]]
+    ) -> None:
+        for session_id, old in taken.items():
+            new = self._states.get(session_id)
+            if new is None:
+                self._states[session_id] = old
+                continue
+            if old.forget or new.forget:
+                continue
+            new.state = new.state or old.state
+            if not new.own and new.release_for is None:
+                new.own, new.release_for = old.own, old.release_for
+        self._responses[:0] = responses
 
     async def _renewer(self) -> None:
         """Renew the leases (and key lifetimes) of every session this process holds."""

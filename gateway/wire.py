@@ -29,7 +29,15 @@ class Hold(Protocol):
 
     up: bool  # False: nothing to wait for (memory-only meanwhile)
 
-    def after_flush(self, callback: Callable[[], None]) -> None: ...
+    def after_flush(self, callback: Callable[[], None]) -> None:
+        """After everything queued now is stored."""
+
+    def due(self, session_id: str | None) -> tuple[int, int]:
+        """The flushes (of each of the store's lanes) that store what ``session_id`` (None:
+        every session) queued so far."""
+
+    def after(self, due: tuple[int, int], callback: Callable[[], None]) -> None:
+        """After the flushes ``due`` are written."""
 
 
 MAX_HELD = 256  # frames held for the store's flush before the outbox is told to wait
@@ -48,26 +56,41 @@ class SocketWire:
 
     __slots__ = (
         "_close_task",
+        "_group",
+        "_group_due",
         "_held",
+        "_held_upto",
         "_hold",
         "_probe",
         "_probe_at",
         "_probed_bytes",
         "_protocol",
+        "_released",
         "_sent_bytes",
         "_ws",
+        "session_id",
     )
 
     def __init__(self, ws: ServerConnection, hold: Hold | None = None) -> None:
         self._ws = ws
         self._hold = hold
         self._held: list[bytes] = []
+        # Held frames leave in groups, each once the flushes it needs are written: frames
+        # ever held, frames ever released, and the latest group still waiting (the count
+        # of frames it ends at, and what it waits for).
+        self._held_upto = 0
+        self._released = 0
+        self._group: list[int] | None = None
+        self._group_due = (0, 0)
         self._protocol = ws.protocol
         self._close_task: asyncio.Task[None] | None = None
         self._sent_bytes = 0
         self._probed_bytes = 0  # what was sent when the last probe went out
         self._probe: asyncio.Task[None] | None = None
         self._probe_at = 0.0
+        # The session whose outbox writes here (set by the store's persistence at each
+        # attach): its held frames wait for its own writes only. None: for all writes.
+        self.session_id: str | None = None
 
     def writable(self) -> bool:
         return not self._ws.paused and len(self._held) < MAX_HELD
@@ -75,18 +98,43 @@ class SocketWire:
     def write(self, frame: bytes) -> None:
         hold = self._hold
         if hold is not None and hold.up:
-            # Out after the flush that puts it in the store: one callback per flush.
-            if not self._held:
-                hold.after_flush(self._release)
-            self._held.append(frame)
+            self._hold_frame(hold, frame)
             return
         self._send(frame)
 
-    def _release(self) -> None:
-        """The held frames, framed one by one but written to the transport at once."""
-        held, self._held = self._held, []
-        if not held:
+    def _hold_frame(self, hold: Hold, frame: bytes) -> None:
+        """Out once the store has it: with the frames held before it that wait for the same
+        flushes (one callback per flush, not per frame), else in a group of its own. A frame
+        logged while a flush is in flight is in the next one: it must not leave with the
+        frames of the flush in flight. A group never waits for less than the one before
+        it (the wire may have moved to another session), so groups leave in order."""
+        log_due, state_due = hold.due(self.session_id)
+        last_log, last_state = self._group_due
+        due = (max(log_due, last_log), max(state_due, last_state))
+        self._held.append(frame)
+        self._held_upto += 1
+        group = self._group
+        if group is not None and due == self._group_due:
+            group[0] = self._held_upto
             return
+        group = self._group = [self._held_upto]
+        self._group_due = due
+        hold.after(due, lambda: self._release_group(group))
+
+    def _release_group(self, group: list[int]) -> None:
+        if self._group is group:
+            self._group = None
+        self._release(group[0])
+
+    def _release(self, upto: int | None = None) -> None:
+        """The held frames (up to the ``upto``-th ever held), framed one by one but written
+        to the transport at once."""
+        count = (self._held_upto if upto is None else upto) - self._released
+        if count <= 0:
+            return
+        held = self._held[:count]
+        del self._held[:count]
+        self._released += count
         try:
             for frame in held:
                 self._protocol.send_text(frame)

@@ -157,6 +157,7 @@ class Outbox:
         self.on_overflow: Callable[[], None] | None = None
         # Told of every numbered frame (a session store logs it; it must not await).
         self.on_sent: Callable[[int, bytes], None] | None = None
+        self.on_attach: Callable[[Wire], None] | None = None  # a wire starts serving here
         self.stats = OutboxStats()
 
     def __len__(self) -> int:
@@ -230,6 +231,8 @@ class Outbox:
         """Send to ``wire`` from now on: ``first`` (frames already numbered, or never
         numbered), then whatever is pending. A wire attached before is closed (4001)."""
         old, self._wire = self._wire, wire
+        if self.on_attach is not None:
+            self.on_attach(wire)
         self._pending_limit = self._max_bytes
         if old is not None:
             old.close(4001, "the session was resumed on another connection")

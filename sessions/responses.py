@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 import orjson
@@ -161,13 +161,18 @@ class ResponsesDialect:
     # -- a session store's snapshot (sessions/snapshot.py) ------------------------------
 
     def dump(self) -> dict[str, Any]:
-        """Each lane's latest response (its id: the store has it, when it was stored).
-        Turns still waiting for a slot are not kept: a takeover drops them."""
+        """Each lane's latest response (its id: the store has it, when it was stored) and
+        the turns waiting in it for a slot (a takeover starts them in their turn)."""
         return {
             "lanes": [
                 [lane.stream_id, lane.latest.id if lane.latest is not None else None]
                 for lane in self._lanes.values()
-            ]
+            ],
+            "waiting": [
+                [lane.stream_id, [_body_json(body) for body in lane.waiting]]
+                for lane in self._ready
+                if lane.waiting
+            ],
         }
 
     def load(self, state: dict[str, Any]) -> None:
@@ -176,6 +181,15 @@ class ResponsesDialect:
             stored = self.store.get(latest) if self.store is not None and latest else None
             if stored is not None:
                 lane.latest = stored
+        for stream_id, bodies in state.get("waiting", []):
+            lane = self._lane(stream_id)
+            lane.waiting.extend(_body_from(b) for b in bodies)
+            self._waiting += len(bodies)
+            self._ready.append(lane)
+        if self._waiting:
+            # On the actor's first turn: after the answers in flight went on (and took
+            # their lanes and slots), as they would have here.
+            self.core.call_soon(self._start_ready)
 
     def dump_tag(self, tag: object) -> Any:
         assert isinstance(tag, _Turn)
@@ -821,3 +835,32 @@ def _response_error_code(code: str) -> str:
         if code in ("context_length_exceeded", "invalid_request")
         else "server_error"
     )
+
+
+_INPUT_KINDS: dict[str, type[rp.AnyInput]] = {
+    "message": p.ItemSpec,
+    "function_call": p.FunctionCallSpec,
+    "function_call_output": p.FunctionCallOutputSpec,
+}
+
+
+def _body_json(body: rp.CreateBody) -> dict[str, Any]:
+    """A waiting turn's create body as JSON (its fields that were set)."""
+    data: dict[str, Any] = {
+        k: getattr(body, k)
+        for k in rp.CreateBody.__slots__
+        if k not in ("input", "tools") and getattr(body, k) != p.UNSET
+    }
+    kinds = {v: k for k, v in _INPUT_KINDS.items()}
+    data["input"] = [[kinds[type(i)], asdict(i)] for i in body.input]
+    if isinstance(body.tools, tuple):
+        data["tools"] = [snapshot.tool_json(t) for t in body.tools]
+    return data
+
+
+def _body_from(data: dict[str, Any]) -> rp.CreateBody:
+    data = dict(data)
+    data["input"] = tuple(_INPUT_KINDS[kind](**fields) for kind, fields in data["input"])
+    if "tools" in data:
+        data["tools"] = tuple(snapshot.tool_from(t) for t in data["tools"])
+    return rp.CreateBody(**data)

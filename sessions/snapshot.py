@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any
 
 import orjson
@@ -84,8 +84,12 @@ def _message_from(data: JSON) -> Message:
     return Message(data["role"], data["text"], calls, tool_call_id=data["tool_call_id"])
 
 
+_CONFIG_FIELDS = tuple(f.name for f in fields(SessionConfig))
+
+
 def _config_json(c: SessionConfig) -> JSON:
-    data = asdict(c)
+    # Field by field, not asdict(): its deep copy is most of a snapshot's cost.
+    data = {name: getattr(c, name) for name in _CONFIG_FIELDS}
     data["tools"] = [tool_json(t) for t in c.tools]
     return data
 
@@ -100,7 +104,7 @@ def config_from(data: JSON) -> SessionConfig:
 def _spec_json(spec: ResponseSpec, dialect: Dialect) -> JSON:
     return {
         "messages": [_message_json(m) for m in spec.messages],
-        "sampling": {**asdict(spec.sampling), "stop": list(spec.sampling.stop)},
+        "sampling": spec.sampling,  # orjson writes a dataclass as asdict() would
         "tools": [tool_json(t) for t in spec.tools],
         "tool_choice": spec.tool_choice,
         "in_conversation": spec.in_conversation,
@@ -152,7 +156,8 @@ def dump(session: Session, dialect_name: str) -> bytes:
         "conversation_id": session.conversation_id,
         "token": token_digest(session.resume_token),
         "config": _config_json(session.config),
-        "items": [item_json(i) for i in session.conversation.items()],
+        # orjson writes each item as item_json() would, without asdict()'s deep copy.
+        "items": session.conversation.items(),
         "responses": responses,
         "dialect_state": session.dialect.dump(),
     }

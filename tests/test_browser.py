@@ -5,8 +5,9 @@ What a person at the page would notice: the answer grows while it streams, Stop 
 turns build one conversation on the server, New conversation really starts over, an answer
 survives a dropped connection whole, a session that cannot be resumed (or a restarted gateway)
 gives a clear note and the earlier turns only on request (well-formed even after a hard kill),
-a restart is never taken for a missing key, the page starts from the server's sampling, and a
-server that wants a key gets one.
+a restart is never taken for a missing key, an answer rides a rolling restart of two gateways
+sharing a Redis store, the page starts from the server's sampling, and a server that wants a
+key gets one.
 
 Chromium comes from the system package (``/usr/bin/chromium``; Playwright's own browser
 download is not used). Without it these tests skip, except under ``CI=true`` where they fail:
@@ -48,7 +49,9 @@ except ImportError:  # a test dependency; CI must have it, a bare checkout may n
 
 from gateway.engines.base import SamplingParams
 from gateway.engines.sim import SimEngine
+from tests.gateway_processes import RollingPair
 from tests.harness import RunningGateway, running_gateway
+from tests.redis_server import RedisServer, redis_server_fixture  # noqa: F401
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 WAIT_MS = 10_000  # upper bound for any one awaited condition; they normally take milliseconds
@@ -780,3 +783,65 @@ async def test_page_uses_a_client_secret_from_the_apps_backend(browser: Browser)
         finally:
             await context.close()
         assert not errors, f"JavaScript errors on the page: {errors}"
+
+
+# --- a session store: deploys that lose nothing -----------------------------------------
+
+
+def page_events(sockets: list[Socket]) -> list[dict[str, Any]]:
+    """What the page received, every socket in turn, less each resumed socket's own fresh
+    session.created and its session.resumed (the resume handshake, not the session's events)."""
+    events = list(sockets[0].received)
+    for s in sockets[1:]:
+        assert s.sent[0]["type"] == "session.resume", s.sent[:1]
+        handshake = {"session.created", "session.resumed"}
+        received = s.received
+        assert [e["type"] for e in received[:2]] == ["session.created", "session.resumed"]
+        events += [e for e in received[2:] if e["type"] not in handshake]
+    return events
+
+
+async def test_an_answer_in_the_page_rides_a_rolling_restart_of_two_gateways(
+    browser: Browser, redis_server: RedisServer
+) -> None:
+    """Two gateways sharing one Redis behind a balancer without affinity, each restarted in
+    turn (SIGTERM: drain, hand over, close 1012) while the page's answer streams: the page
+    resumes on whichever gateway the balancer picks, the answer goes on and ends whole, and
+    the conversation goes on in the same server session."""
+    sockets: list[Socket] = []
+    flags = ("--drain-timeout", "0.2")
+    async with (
+        RollingPair(redis_server.url, *flags, step_ms=20, tokens=400) as pair,
+        chat_page(browser, pair.balancer.url, sockets) as page,
+    ):
+        await wait_connected(page)
+        session_id = sockets[0].received[0]["session"]["id"]
+        await send(page, "Tell me a long story.")
+        shown = await wait_growth(page, 0, 20)
+        for index in range(2):
+            await pair.restart(index)
+            # Still streaming after each restart, grown since: nothing stalled or ended it.
+            shown = await wait_growth(page, 0, shown)
+        await expect(status(page, 0)).to_have_attribute("data-status", "completed")
+        events = page_events(sockets)
+        assert len(sockets) >= 2, "no restart reached the page's socket"
+        assert "response.done" not in [e["type"] for e in sockets[0].received]  # cut mid-answer
+        numbers = [e["sequence_number"] for e in events]
+        assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))  # no gap, no repeat
+        (done,) = [str(e["text"]) for e in events if e["type"] == "response.output_text.done"]
+        deltas = "".join(
+            str(e["delta"]) for e in events if e["type"] == "response.output_text.delta"
+        )
+        assert deltas == done
+        assert await answer(page, 0).text_content() == done  # nothing lost, nothing twice
+        await expect(page.get_by_test_id("note")).to_have_count(0)
+        await expect(page.get_by_test_id("error")).to_be_hidden()
+
+        # The next turn, in the same server session, with the first turn in its prompt.
+        await page.get_by_test_id("max-tokens").fill("12")
+        await send(page, "And then?")
+        await expect(status(page, 1)).to_have_attribute("data-status", "length")
+        assert await tokens(page, 1, "input") > await tokens(page, 0, "output")
+        resumed = [e for s in sockets for e in s.received if e["type"] == "session.resumed"]
+        assert resumed and {e["session"]["id"] for e in resumed} == {session_id}
+        assert pair.restarts == 2

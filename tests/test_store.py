@@ -7,83 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from tests.balancer import Balancer
+from tests.gateway_processes import TIMEOUT, RollingPair, gateways
 from tests.redis_server import RedisServer, redis_server_fixture  # noqa: F401
 from tests.responses_harness import ResponsesClient
-
-TIMEOUT = 20.0
-
-
-class GatewayProcess:
-    """``python -m gateway --engine sim`` with a session store, on a free port."""
-
-    def __init__(self, store: str, *extra: str, step_ms: int = 20, tokens: int = 80) -> None:
-        argv = [sys.executable, "-m", "gateway", "--engine", "sim", "--port", "0"]
-        argv += ["--sim-step-ms", str(step_ms), "--sim-response-tokens", str(tokens)]
-        argv += ["--session-store", store, *extra]
-        self.process = subprocess.Popen(
-            argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
-        )
-        assert self.process.stderr is not None
-        self.log: list[str] = []
-        found = None
-        while found is None:
-            line = self.process.stderr.readline()
-            assert line, f"the gateway exited before its ready line: {self.log}"
-            self.log.append(line)
-            found = re.search(r"chat page http://(127\.0\.0\.1:\d+)/", line)
-        self.address = found.group(1)
-        self.terminated = False
-        self._drain = asyncio.get_running_loop().run_in_executor(None, self._read_log)
-
-    def _read_log(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            self.log.append(line)
-
-    def url(self, path: str = "/v1/realtime") -> str:
-        return f"ws://{self.address}{path}"
-
-    def terminate(self) -> None:
-        self.terminated = True
-        self.process.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.wait(TIMEOUT)
-
-    async def stop(self) -> int:
-        """SIGTERM (unless it was sent already) and the exit code."""
-        if self.process.poll() is None and not self.terminated:
-            self.process.terminate()
-        code = await asyncio.to_thread(self.process.wait, TIMEOUT)
-        await self._drain
-        return code
-
-
-@contextlib.asynccontextmanager
-async def gateways(
-    store: str, n: int, *extra: str, **kw: Any
-) -> AsyncIterator[list[GatewayProcess]]:
-    started = [GatewayProcess(store, *extra, **kw) for _ in range(n)]
-    try:
-        yield started
-    finally:
-        for g in started:
-            if g.process.poll() is None:
-                await g.stop()
 
 
 class Chat:
@@ -338,36 +271,60 @@ async def test_gateway_client_rides_a_rolling_restart_of_two_gateways(
 ) -> None:
     import gateway.client as gc
 
-    flags = ("--drain-timeout", "0.2")
-    first, second = GatewayProcess(redis_server.url, *flags, tokens=200), None
-    try:
-        second = GatewayProcess(redis_server.url, *flags, tokens=200)
-        async with (
-            Balancer([first.address, second.address]) as lb,
-            gc.connect(lb.ws_url()) as chat,
-        ):
-            restarted = []
-            for turn in range(2):
-                deltas: list[str] = []
-                stream = chat.stream(f"Tell me story {turn}")
-                async for delta in stream:
-                    deltas.append(delta)
-                    if len(deltas) == 5:
-                        # Restart the gateway that holds the session: SIGTERM, a new one.
-                        holder = first if turn == 0 else second
-                        assert holder is not None
-                        holder.terminate()
-                        restarted.append(holder)
-                assert stream.reply is not None and stream.reply.status == "completed"
-                assert "".join(deltas) == stream.reply.text
-                assert await restarted[-1].stop() == 0
-                replacement = GatewayProcess(redis_server.url, *flags, tokens=200)
-                if turn == 0:
-                    first = replacement
-                else:
-                    second = replacement
-                lb.set_backends([first.address, second.address])  # type: ignore[union-attr]
-    finally:
-        for g in (first, second):
-            if g is not None and g.process.poll() is None:
-                await g.stop()
+    async with (
+        RollingPair(redis_server.url, "--drain-timeout", "0.2", tokens=200) as pair,
+        gc.connect(pair.balancer.ws_url()) as chat,
+    ):
+        for turn in range(2):
+            deltas: list[str] = []
+            stream = chat.stream(f"Tell me story {turn}")
+            async for delta in stream:
+                deltas.append(delta)
+                if len(deltas) == 5:
+                    # Restart the gateway that holds the session: SIGTERM, then a new one.
+                    # Round robin put the first socket on the first, the resume on the second.
+                    pair.begin_restart(turn)
+            assert stream.reply is not None and stream.reply.status == "completed"
+            assert "".join(deltas) == stream.reply.text
+            await pair.finish_restart(turn)
+
+
+async def test_a_takeover_keeps_the_responses_turns_waiting_for_a_slot(
+    redis_server: RedisServer,
+) -> None:
+    async with gateways(redis_server.url, 2, tokens=80) as (a, b):
+        async with ResponsesClient.connect(a.url("/v1/responses")) as c:
+            await c.create(input="A long one")
+            seen = [await c.recv() for _ in range(4)]
+            await c.create(input="And one behind it on the same lane")  # waits for the first
+            session, token = c.session_id, c.resume_token
+            stored = redis_server.client()
+            async with asyncio.timeout(TIMEOUT):
+                while '"waiting":[[null,[{' not in (stored.get(f"llmgw:s:{session}") or ""):
+                    await asyncio.sleep(0.02)
+            seen += [await c.recv() for _ in range(2)]
+            a.kill()
+        headers = {
+            "x-session-id": session,
+            "x-resume-token": token,
+            "x-last-sequence-number": str(seen[-1]["sequence_number"]),
+        }
+        async with asyncio.timeout(TIMEOUT):
+            while True:
+                try:
+                    async with ResponsesClient.connect(
+                        b.url("/v1/responses"), additional_headers=headers
+                    ) as r:
+                        first = await r.collect()
+                        second = await r.collect()
+                        break
+                except Exception:
+                    await asyncio.sleep(0.5)  # the dead owner's lease has not run out yet
+        events = seen + first.events + second.events
+        numbers = [e["sequence_number"] for e in events]
+        assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+        assert first.response["status"] == second.response["status"] == "completed"
+        assert first.id != second.id and second.done_text
+        # The second turn waited for the first: every delta before its end is the first's.
+        deltas = [e["delta"] for e in seen + first.events if e["type"].endswith("text.delta")]
+        assert "".join(deltas) == first.done_text
