@@ -64,7 +64,7 @@ test: $(STAMP) $(SDK_STAMP) $(NODE_STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run --profile
-	$(BIN)/python -m bench.dialects
+	$(BIN)/python -m bench.tls
 	$(BIN)/python -m bench.store
 
 # examples/notebook.ipynb in JupyterLab, on the project's own environment (its kernel is

@@ -5,8 +5,9 @@
   random think time so that arrivals fall anywhere in a step), memory store against
   Redis store, alternating over rounds: the p50 and p99 of each and what the store adds.
 - ``cpu``: one token per frame, the sim flat out, 50 sessions: the gateway's CPU per
-  token and its saturated tokens per second, memory store (resume on, and off as
-  bench/dialects.py's baseline) against Redis store, the order rotated every round.
+  token and its saturated tokens per second, memory store (resume on, the same replay
+  buffer as the store's; and off, the baseline this was first measured against)
+  against Redis store, the order rotated every round.
 - ``rolling``: 200 sessions streaming on gateway A, A gets SIGTERM (``--drain-timeout
   0.3``), every client resumes on gateway B: how long from the 1012 close to
   ``session.resumed`` (p50, p99), how many sessions were lost, and whether any text was
@@ -31,9 +32,9 @@ from typing import Any
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
 
-from bench.dialects import measure, realtime_turns, redis_url, summary
 from bench.procs import gateway_argv, server_process
 from bench.stats import dist
+from bench.turns import measure, realtime_turns, redis_url, summary
 
 RESULTS = Path(__file__).parent / "results"
 ITEM = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]}
