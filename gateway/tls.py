@@ -116,24 +116,24 @@ def _describe(exc: ssl.SSLError, files: TlsFiles) -> str:
     from cryptography import x509
 
     try:
-        x509.load_pem_x509_certificates(_head(files.cert, whole=True))
+        x509.load_pem_x509_certificates(_contents(files.cert))
     except ValueError:
         return f"--tls-cert {files.cert}: not a PEM certificate"
     if exc.reason == "KEY_VALUES_MISMATCH":
         return f"--tls-key {files.key} is not the key of --tls-cert {files.cert}"
-    if b"ENCRYPTED" in _head(files.key):  # "ENCRYPTED PRIVATE KEY" or "Proc-Type: 4,ENCRYPTED"
+    # PKCS#8's "ENCRYPTED PRIVATE KEY", or the older "Proc-Type: 4,ENCRYPTED" header.
+    if b"ENCRYPTED" in _contents(files.key)[:4096]:
         if files.password_file is None:
             return f"--tls-key {files.key} is encrypted: give --tls-key-password-file"
         return f"--tls-key-password-file {files.password_file}: not the key's password"
     return f"--tls-key {files.key}: not a PEM private key ({exc.reason or exc})"
 
 
-def _head(path: Path, *, whole: bool = False) -> bytes:
+def _contents(path: Path) -> bytes:
     try:
-        data = path.read_bytes()
+        return path.read_bytes()
     except OSError:
         return b""
-    return data if whole else data[:4096]
 
 
 # -- a certificate for local development -----------------------------------------------
