@@ -39,7 +39,12 @@ from gateway.engines.base import (
     ToolCallDelta,
 )
 from gateway.engines.driver import EngineDriver
-from gateway.engines.llamacpp import LlamaCppEngine, bundled_model_path
+from gateway.engines.llamacpp import (
+    BUNDLED_SAMPLER,
+    BUNDLED_SAMPLING,
+    LlamaCppEngine,
+    bundled_model_path,
+)
 from tests.harness import RawClient, RunningGateway, running_gateway
 from tests.responses_harness import ResponsesClient
 
@@ -520,6 +525,8 @@ class Borrowed(Engine):
         super().__init__()
         self.inner = inner
         self.outputs = inner.outputs
+        self.default_sampling = inner.default_sampling
+        self.default_instructions = inner.default_instructions
 
     @property
     def capacity(self) -> int:
@@ -726,3 +733,37 @@ async def test_e2e_responses_websocket_chains_and_warms_with_generate_false(
             input="And of Germany?", previous_response_id=turn.id, **sampling
         )
         assert "Berlin" in follow.text
+
+
+# --- sampling defaults: what llama.cpp itself was told --------------------------------
+
+
+async def last_generation_params(engine: LlamaCppEngine) -> dict[str, Any]:
+    """The sampler settings of the slot that ran the latest generation, as llama.cpp
+    reports them (``/slots``); its floats are single precision."""
+    slots = await engine.slot_settings()
+    latest = max(slots, key=lambda slot: int(slot.get("id_task", -1)))  # unused: no id_task
+    params: dict[str, Any] = latest["params"]
+    return params
+
+
+async def test_e2e_the_bundled_defaults_reach_llamacpp(
+    gw: RunningGateway, engine: LlamaCppEngine
+) -> None:
+    async with RawClient.connect(gw.ws_url) as client:
+        session = client.events[0]["session"]
+        defaults = engine.default_sampling
+        assert session["temperature"] == defaults.temperature == BUNDLED_SAMPLING.temperature
+        assert session["frequency_penalty"] == defaults.frequency_penalty
+        assert session["presence_penalty"] == defaults.presence_penalty
+        await client.say(FRANCE.text)
+        await client.respond(max_output_tokens=4)
+        params = await last_generation_params(engine)
+        told = {**BUNDLED_SAMPLER.body(), "temperature": defaults.temperature}
+        told["frequency_penalty"] = defaults.frequency_penalty or 0.0
+        told["presence_penalty"] = defaults.presence_penalty or 0.0
+        assert {k: params[k] for k in told} == pytest.approx(told)
+        # A client's own choice replaces the default in llama.cpp too.
+        await client.respond(max_output_tokens=4, frequency_penalty=1.25, presence_penalty=-0.5)
+        params = await last_generation_params(engine)
+        assert (params["frequency_penalty"], params["presence_penalty"]) == (1.25, -0.5)
