@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from bench.loops import PAIRS, loops
 from gateway.engines import llamacpp
 from gateway.engines.base import (
     ContextOverflowError,
@@ -43,6 +44,7 @@ from gateway.engines.llamacpp import (
     BUNDLED_SAMPLER,
     BUNDLED_SAMPLING,
     LlamaCppEngine,
+    LlamaSampler,
     bundled_model_path,
 )
 from tests.harness import RawClient, RunningGateway, running_gateway
@@ -767,3 +769,45 @@ async def test_e2e_the_bundled_defaults_reach_llamacpp(
         await client.respond(max_output_tokens=4, frequency_penalty=1.25, presence_penalty=-0.5)
         params = await last_generation_params(engine)
         assert (params["frequency_penalty"], params["presence_penalty"]) == (1.25, -0.5)
+
+
+# Pairs of bench/loops.py whose answers looped under plain greedy decoding (the old default).
+LOOPING_PAIRS = (PAIRS[0], PAIRS[2], PAIRS[3], PAIRS[9])
+LOOP_TOKENS = 160
+
+
+async def answers_to(
+    gw: RunningGateway, pairs: tuple[tuple[str, str], ...], **session: Any
+) -> list[str]:
+    """Each pair asked in a session of its own: the engine's defaults, then ``session``."""
+
+    async def conversation(pair: tuple[str, str]) -> list[str]:
+        async with RawClient.connect(gw.ws_url) as client:
+            if session:
+                await client.send({"type": "session.update", "session": session})
+                await client.recv_until("session.updated")
+            texts = []
+            for question in pair:
+                await client.say(question)
+                response = {"max_output_tokens": LOOP_TOKENS}
+                await client.send({"type": "response.create", "response": response})
+                texts.append((await client.collect(timeout=120)).text)
+            return texts
+
+    return [text for texts in await asyncio.gather(*map(conversation, pairs)) for text in texts]
+
+
+async def test_e2e_the_bundled_defaults_keep_answers_from_looping(
+    gw: RunningGateway, engine: LlamaCppEngine
+) -> None:
+    answers = await answers_to(gw, LOOPING_PAIRS)
+    looping = [text for text in answers if loops(text)]
+    assert len(looping) <= 1, looping  # the bound: one answer in eight
+    assert "Paris" in answers[0]
+    # Plain greedy decoding (the old default: no DRY, no penalty) loops on the same questions.
+    engine.sampler, kept = LlamaSampler(), engine.sampler
+    try:
+        greedy = await answers_to(gw, LOOPING_PAIRS, frequency_penalty=None)
+    finally:
+        engine.sampler = kept
+    assert sum(map(loops, greedy)) >= 3, greedy

@@ -83,17 +83,23 @@ class LlamaSampler:
     dry_base: float | None = None  # 1.75
     dry_allowed_length: int | None = None  # 2 tokens may repeat unpenalised
     dry_penalty_last_n: int | None = None  # 64 tokens looked back
+    # A repeat DRY measures ends at these: "\n", ":", '"', "*" (so lists and verse escape it).
+    dry_sequence_breakers: tuple[str, ...] | None = None
     min_p: float | None = None  # 0.05
     top_k: int | None = None  # 40
 
-    def body(self) -> dict[str, float | int]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+    def body(self) -> dict[str, float | int | list[str]]:
+        fields = asdict(self).items()
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in fields if v is not None}
 
 
 # A 135M model needs greedy sampling: at temperature 0.2 it named Paris as the capital of
-# France in 9 answers of 12, greedy in every one. Other models keep llama.cpp's defaults.
-BUNDLED_SAMPLING = SamplingParams(temperature=0.0)
-BUNDLED_SAMPLER = LlamaSampler()
+# France in 9 answers of 12, greedy in every one. Greedy alone loops, though: 48 % of
+# bench/loops.py's answers repeated a 6-word sequence 3 times or more. DRY over the whole
+# context and a frequency penalty over the last 256 tokens brought that to 0 % with Paris
+# still 12 of 12 (docs/llamacpp.md has the table). Other models keep llama.cpp's defaults.
+BUNDLED_SAMPLING = SamplingParams(temperature=0.0, frequency_penalty=0.3)
+BUNDLED_SAMPLER = LlamaSampler(dry_multiplier=0.8, dry_penalty_last_n=2048, repeat_last_n=256)
 GGUF_MAGIC = b"GGUF"
 DEFAULT_CTX = 2048
 DEFAULT_SLOTS = 4
