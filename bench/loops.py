@@ -1,6 +1,6 @@
 """How often the bundled model's answers loop, for candidate sampling defaults.
 
-    python -m bench.loops [--candidates greedy,chosen] [--pairs 32] [--tokens 256] [--threads 1]
+    python -m bench.loops [--candidates greedy,default] [--pairs 32] [--tokens 256] [--threads 1]
 
 Every candidate gets the same run: the gateway in this process on the llama.cpp engine
 (the bundled SmolLM2, the candidate as the engine's defaults, so sessions start from it as
@@ -96,19 +96,12 @@ CANDIDATES: dict[str, Candidate] = {
     for c in (
         Candidate("greedy", GREEDY),
         Candidate("default", BUNDLED_SAMPLING, BUNDLED_SAMPLER),
-        Candidate("rep1.1", GREEDY, LlamaSampler(repeat_penalty=1.1)),
-        Candidate("freq0.5", replace(GREEDY, frequency_penalty=0.5)),
         Candidate(
             "freq0.3/256", replace(GREEDY, frequency_penalty=0.3), LlamaSampler(repeat_last_n=256)
         ),
         Candidate("dry0.8", GREEDY, LlamaSampler(dry_multiplier=0.8)),
         Candidate(
             "dry0.8/2048", GREEDY, LlamaSampler(dry_multiplier=0.8, dry_penalty_last_n=WHOLE)
-        ),
-        Candidate(
-            "dry0.8/2048+rep1.1",
-            GREEDY,
-            LlamaSampler(dry_multiplier=0.8, dry_penalty_last_n=WHOLE, repeat_penalty=1.1),
         ),
         Candidate(
             "dry0.8/2048+freq0.3",
@@ -121,36 +114,9 @@ CANDIDATES: dict[str, Candidate] = {
             LlamaSampler(dry_multiplier=0.8, dry_penalty_last_n=WHOLE, repeat_last_n=256),
         ),
         Candidate(
-            "dry1.5/2048+freq0.5/256",
-            replace(GREEDY, frequency_penalty=0.5),
-            LlamaSampler(dry_multiplier=1.5, dry_penalty_last_n=WHOLE, repeat_last_n=256),
-        ),
-        Candidate(
             "dry0.8/2048+pres0.5/256",
             replace(GREEDY, presence_penalty=0.5),
             LlamaSampler(dry_multiplier=0.8, dry_penalty_last_n=WHOLE, repeat_last_n=256),
-        ),
-        Candidate(
-            "dry0.8/2048/paragraphs+freq0.3/256",
-            replace(GREEDY, frequency_penalty=0.3),
-            LlamaSampler(
-                dry_multiplier=0.8,
-                dry_penalty_last_n=WHOLE,
-                dry_sequence_breakers=("\n\n",),
-                repeat_last_n=256,
-            ),
-        ),
-        Candidate(
-            "dry0.8/2048/paragraphs",
-            GREEDY,
-            LlamaSampler(
-                dry_multiplier=0.8, dry_penalty_last_n=WHOLE, dry_sequence_breakers=("\n\n",)
-            ),
-        ),
-        Candidate(
-            "t0.3+dry0.8/2048",
-            SamplingParams(temperature=0.3),
-            LlamaSampler(dry_multiplier=0.8, dry_penalty_last_n=WHOLE),
         ),
     )
 }

@@ -83,14 +83,11 @@ class LlamaSampler:
     dry_base: float | None = None  # 1.75
     dry_allowed_length: int | None = None  # 2 tokens may repeat unpenalised
     dry_penalty_last_n: int | None = None  # 64 tokens looked back
-    # A repeat DRY measures ends at these: "\n", ":", '"', "*" (so lists and verse escape it).
-    dry_sequence_breakers: tuple[str, ...] | None = None
     min_p: float | None = None  # 0.05
     top_k: int | None = None  # 40
 
-    def body(self) -> dict[str, float | int | list[str]]:
-        fields = asdict(self).items()
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in fields if v is not None}
+    def body(self) -> dict[str, float | int]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 # A 135M model needs greedy sampling: at temperature 0.2 it named Paris as the capital of
