@@ -93,6 +93,8 @@ class SessionPatch:
     top_p: float | Unset | None = UNSET
     seed: int | Unset | None = UNSET
     stop: tuple[str, ...] | Unset = UNSET
+    frequency_penalty: float | Unset | None = UNSET
+    presence_penalty: float | Unset | None = UNSET
     model: str | Unset = UNSET
     tools: tuple[Tool, ...] | Unset = UNSET
     tool_choice: ToolChoice | Unset = UNSET
@@ -137,6 +139,8 @@ class ResponseParams:
     top_p: float | Unset | None = UNSET
     seed: int | Unset | None = UNSET
     stop: tuple[str, ...] | Unset = UNSET
+    frequency_penalty: float | Unset | None = UNSET
+    presence_penalty: float | Unset | None = UNSET
     tools: tuple[Tool, ...] | Unset = UNSET
     tool_choice: ToolChoice | Unset = UNSET
     metadata: dict[str, str] | None = None
@@ -324,7 +328,11 @@ class Reader:
         return Reader(value, f"{self.param(key)}[{index}]", self.event_id)
 
 
-_SAMPLING = frozenset({"temperature", "top_p", "seed", "stop"})
+_SAMPLING = frozenset(
+    {"temperature", "top_p", "seed", "stop", "frequency_penalty", "presence_penalty"}
+)
+# Chat Completions' range for both penalties.
+PENALTY_RANGE = (-2.0, 2.0)
 # Fields the SDK may send (or echo back from session.created) that a text-only gateway
 # can accept as long as they ask for nothing it lacks. ``parallel_tool_calls`` is
 # accepted and ignored: how many calls a response holds is the model's choice.
@@ -362,6 +370,9 @@ def _sampling(r: Reader) -> dict[str, Any]:
         out["temperature"] = r.number("temperature", 0.0, 2.0)
     if r.has("top_p"):
         out["top_p"] = r.number("top_p", 0.0, 1.0)
+    for penalty in ("frequency_penalty", "presence_penalty"):
+        if r.has(penalty):
+            out[penalty] = r.number(penalty, *PENALTY_RANGE)
     if r.has("seed"):
         # Unsigned 64-bit for every engine: TensorRT-LLM fails a request whose seed is not.
         out["seed"] = r.integer("seed", 0, 2**64 - 1)

@@ -20,6 +20,7 @@ from gateway.engines.base import Role, Tool, ToolChoice
 from gateway.protocol import (
     JSON,
     MAX_ID_CHARS,
+    PENALTY_RANGE,
     UNSET,
     FunctionCallOutputSpec,
     FunctionCallSpec,
@@ -54,6 +55,9 @@ class CreateBody:
     max_output_tokens: int | Unset | None = UNSET
     temperature: float | Unset | None = UNSET
     top_p: float | Unset | None = UNSET
+    # Extensions (Chat Completions' names and range): the Responses API has no penalties.
+    frequency_penalty: float | Unset | None = UNSET
+    presence_penalty: float | Unset | None = UNSET
     metadata: dict[str, str] | None = None
     store: bool = True
     previous_response_id: str | None = None
@@ -99,6 +103,8 @@ _CREATE_FIELDS = frozenset(
         "max_output_tokens",
         "temperature",
         "top_p",
+        "frequency_penalty",
+        "presence_penalty",
         "metadata",
         "store",
         "previous_response_id",
@@ -155,6 +161,9 @@ def read_create(obj: Mapping[str, Any], allowed_extra: frozenset[str] = frozense
         fields["temperature"] = r.number("temperature", 0.0, 2.0)
     if r.has("top_p"):
         fields["top_p"] = r.number("top_p", 0.0, 1.0)
+    for penalty in ("frequency_penalty", "presence_penalty"):
+        if r.has(penalty):
+            fields[penalty] = r.number(penalty, *PENALTY_RANGE)
     if r.has("metadata"):
         fields["metadata"] = read_metadata(r)
     if r.has("previous_response_id") and obj["previous_response_id"] is not None:

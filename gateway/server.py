@@ -235,6 +235,8 @@ class Gateway:
             instructions=engine.default_instructions if instructions is None else instructions,
             temperature=engine.default_sampling.temperature,
             top_p=engine.default_sampling.top_p,
+            frequency_penalty=engine.default_sampling.frequency_penalty,
+            presence_penalty=engine.default_sampling.presence_penalty,
         )
 
     @property

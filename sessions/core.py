@@ -70,6 +70,8 @@ class SessionConfig:
     top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = "auto"
 

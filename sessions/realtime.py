@@ -261,6 +261,8 @@ class RealtimeDialect:
             top_p=pick(params.top_p, c.top_p),
             seed=pick(params.seed, c.seed),
             stop=pick(params.stop, c.stop),
+            frequency_penalty=pick(params.frequency_penalty, c.frequency_penalty),
+            presence_penalty=pick(params.presence_penalty, c.presence_penalty),
         )
         tools: tuple[Tool, ...] = pick(params.tools, c.tools)
         tool_choice: ToolChoice = pick(params.tool_choice, c.tool_choice)
@@ -507,6 +509,8 @@ def session_json(session_id: str, c: SessionConfig) -> p.JSON:
         "top_p": c.top_p,
         "seed": c.seed,
         "stop": list(c.stop),
+        "frequency_penalty": c.frequency_penalty,
+        "presence_penalty": c.presence_penalty,
         "tools": p.tools_json(c.tools),
         "tool_choice": p.tool_choice_json(c.tool_choice),
     }

@@ -377,6 +377,12 @@ class ResponsesDialect:
             top_p=c.top_p if body.top_p == p.UNSET else body.top_p,
             seed=c.seed,
             stop=c.stop,
+            frequency_penalty=c.frequency_penalty
+            if body.frequency_penalty == p.UNSET
+            else body.frequency_penalty,
+            presence_penalty=c.presence_penalty
+            if body.presence_penalty == p.UNSET
+            else body.presence_penalty,
         )
         turn = _Turn(body, lane, history, items, int(time.time()), body.instructions, tools, choice)
         if not body.generate:

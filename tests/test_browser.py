@@ -656,6 +656,27 @@ async def test_page_leaves_the_temperature_to_an_engine_without_a_default(
         assert session_temperature(gw) is None
 
 
+async def test_page_shows_and_changes_the_penalties(browser: Browser) -> None:
+    engine = SimEngine(step_ms=2, response_tokens=5)
+    engine.default_sampling = SamplingParams(frequency_penalty=0.3)
+    async with running_gateway(engine) as gw, chat_page(browser, gw.http_url) as page:
+        await wait_connected(page)
+        await expect(page.get_by_test_id("frequency-penalty")).to_have_value("0.3")
+        await expect(page.locator("#frequency-penalty-value")).to_have_text("0.30")
+        await expect(page.locator("#presence-penalty-value")).to_have_text("model default")
+        await send(page, "Hello.")
+        await expect(status(page, 0)).to_have_attribute("data-status", "completed")
+        (session,) = gw.gateway.sessions
+        assert (session.config.frequency_penalty, session.config.presence_penalty) == (0.3, None)
+
+        await page.get_by_test_id("presence-penalty").fill("-1.5")
+        await page.get_by_test_id("frequency-penalty").fill("1")
+        await expect(page.locator("#presence-penalty-value")).to_have_text("-1.50")
+        await send(page, "Again.")
+        await expect(status(page, 1)).to_have_attribute("data-status", "completed")
+        assert (session.config.frequency_penalty, session.config.presence_penalty) == (1.0, -1.5)
+
+
 @contextmanager
 def killable_gateway(*argv: str) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     """``python -m gateway --engine sim ARGV`` on a free port, read from its ready line."""

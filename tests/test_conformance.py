@@ -39,7 +39,8 @@ ADDED_FIELDS = {
     # sequence_number: on every event; resume_token: on session.created, the secret a
     # session.resume presents (resume, issue 12).
     "": {"sequence_number", "resume_token"},
-    "session": {"object", "id", "temperature", "top_p", "seed", "stop"},
+    "session": {"object", "id", "temperature", "top_p", "seed", "stop"}
+    | {"frequency_penalty", "presence_penalty"},
     "response.status_details": {"gateway_reason"},
 }
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from bench.loops import PAIRS, loops
 from gateway.engines import llamacpp
 from gateway.engines.base import (
     ContextOverflowError,
@@ -39,7 +40,13 @@ from gateway.engines.base import (
     ToolCallDelta,
 )
 from gateway.engines.driver import EngineDriver
-from gateway.engines.llamacpp import LlamaCppEngine, bundled_model_path
+from gateway.engines.llamacpp import (
+    BUNDLED_SAMPLER,
+    BUNDLED_SAMPLING,
+    LlamaCppEngine,
+    LlamaSampler,
+    bundled_model_path,
+)
 from tests.harness import RawClient, RunningGateway, running_gateway
 from tests.responses_harness import ResponsesClient
 
@@ -520,6 +527,8 @@ class Borrowed(Engine):
         super().__init__()
         self.inner = inner
         self.outputs = inner.outputs
+        self.default_sampling = inner.default_sampling
+        self.default_instructions = inner.default_instructions
 
     @property
     def capacity(self) -> int:
@@ -726,3 +735,81 @@ async def test_e2e_responses_websocket_chains_and_warms_with_generate_false(
             input="And of Germany?", previous_response_id=turn.id, **sampling
         )
         assert "Berlin" in follow.text
+
+
+# --- sampling defaults: what llama.cpp itself was told --------------------------------
+
+
+async def last_generation_params(engine: LlamaCppEngine) -> dict[str, Any]:
+    """The sampler settings of the slot that ran the latest generation, as llama.cpp
+    reports them (``/slots``); its floats are single precision."""
+    slots = await engine.slot_settings()
+    latest = max(slots, key=lambda slot: int(slot.get("id_task", -1)))  # unused: no id_task
+    params: dict[str, Any] = latest["params"]
+    return params
+
+
+async def test_e2e_the_bundled_defaults_reach_llamacpp(
+    gw: RunningGateway, engine: LlamaCppEngine
+) -> None:
+    async with RawClient.connect(gw.ws_url) as client:
+        session = client.events[0]["session"]
+        defaults = engine.default_sampling
+        assert session["temperature"] == defaults.temperature == BUNDLED_SAMPLING.temperature
+        assert session["frequency_penalty"] == defaults.frequency_penalty
+        assert session["presence_penalty"] == defaults.presence_penalty
+        await client.say(FRANCE.text)
+        await client.respond(max_output_tokens=4)
+        params = await last_generation_params(engine)
+        told = {**BUNDLED_SAMPLER.body(), "temperature": defaults.temperature}
+        told["frequency_penalty"] = defaults.frequency_penalty or 0.0
+        told["presence_penalty"] = defaults.presence_penalty or 0.0
+        assert {k: params[k] for k in told} == pytest.approx(told)
+        # A client's own choice replaces the default in llama.cpp too.
+        await client.respond(max_output_tokens=4, frequency_penalty=1.25, presence_penalty=-0.5)
+        params = await last_generation_params(engine)
+        assert (params["frequency_penalty"], params["presence_penalty"]) == (1.25, -0.5)
+
+
+# Pairs of bench/loops.py whose two answers both looped early under plain greedy decoding
+# (the old default), within 128 tokens.
+LOOPING_PAIRS = (PAIRS[0], PAIRS[8], PAIRS[12], PAIRS[20])
+LOOP_TOKENS = 128
+
+
+async def answers_to(
+    gw: RunningGateway, pairs: tuple[tuple[str, str], ...], **session: Any
+) -> list[str]:
+    """Each pair asked in a session of its own: the engine's defaults, then ``session``."""
+
+    async def conversation(pair: tuple[str, str]) -> list[str]:
+        async with RawClient.connect(gw.ws_url) as client:
+            if session:
+                await client.send({"type": "session.update", "session": session})
+                await client.recv_until("session.updated")
+            texts = []
+            for question in pair:
+                await client.say(question)
+                response = {"max_output_tokens": LOOP_TOKENS}
+                await client.send({"type": "response.create", "response": response})
+                texts.append((await client.collect(timeout=120)).text)
+            return texts
+
+    return [text for texts in await asyncio.gather(*map(conversation, pairs)) for text in texts]
+
+
+async def test_e2e_the_bundled_defaults_keep_answers_from_looping(
+    gw: RunningGateway, engine: LlamaCppEngine
+) -> None:
+    answers = await answers_to(gw, LOOPING_PAIRS)
+    looping = [text for text in answers if loops(text)]
+    assert len(looping) <= 1, looping  # the bound: one answer in eight
+    assert "Paris" in answers[0]
+    # Plain greedy decoding (the old default: no DRY, no penalty) loops on the same questions
+    # (8 answers of 8 when measured; two pairs of them keep this part short).
+    engine.sampler, kept = LlamaSampler(), engine.sampler
+    try:
+        greedy = await answers_to(gw, LOOPING_PAIRS[::3], frequency_penalty=None)
+    finally:
+        engine.sampler = kept
+    assert sum(map(loops, greedy)) >= 3, greedy

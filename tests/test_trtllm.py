@@ -187,10 +187,20 @@ async def test_passes_every_sampling_field(
 ) -> None:
     await collect(
         engine,
-        request("hi", max_output_tokens=7, temperature=0.3, top_p=0.9, seed=42, stop=("END",)),
+        request(
+            "hi",
+            max_output_tokens=7,
+            temperature=0.3,
+            top_p=0.9,
+            seed=42,
+            stop=("END",),
+            frequency_penalty=0.5,
+            presence_penalty=-1.5,
+        ),
     )
     sp = standin.stats.requests[-1].sampling_params
     assert (sp.max_tokens, sp.temperature, sp.top_p, sp.seed, sp.stop) == (7, 0.3, 0.9, 42, ["END"])
+    assert (sp.frequency_penalty, sp.presence_penalty) == (0.5, -1.5)
     assert standin.stats.requests[-1].streaming is True
 
 
@@ -207,6 +217,8 @@ async def test_unset_fields_are_not_left_to_engine_defaults(
     greedy = TrtSamplingParams.params_imply_greedy_decoding
     assert not greedy(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k)
     assert (sp.temperature, sp.top_p) == (trtllm.DEFAULT_TEMPERATURE, trtllm.DEFAULT_TOP_P)
+    # Unset penalties are None: the C++ runtime's default, 0 (off).
+    assert (sp.frequency_penalty, sp.presence_penalty) == (None, None)
 
 
 async def test_prompt_is_the_chat_template_with_a_single_bos(

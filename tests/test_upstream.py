@@ -688,3 +688,23 @@ async def test_the_responses_websocket_streams_through_the_upstream_pool(
                 input="And of Germany?", previous_response_id=first.id, max_output_tokens=8
             )
             assert second.text == second.output_text != ""
+
+
+async def test_the_penalties_reach_the_upstream_server(servers: list[LlamaServer]) -> None:
+    """Read back from llama.cpp's own ``/slots``: what the replica's sampler was set to."""
+
+    async def penalties_seen() -> set[tuple[float, float]]:
+        slots = await get_json(servers[0].url + "/slots")
+        return {
+            (slot["params"]["frequency_penalty"], slot["params"]["presence_penalty"])
+            for slot in slots
+            if "params" in slot
+        }
+
+    async with gateway_on([servers[0].url]) as gw, RawClient.connect(gw.ws_url) as c:
+        await c.send({"type": "session.update", "session": {"frequency_penalty": 1.25}})
+        await c.recv_until("session.updated")
+        await c.say(QUESTION)
+        turn = await c.respond(max_output_tokens=4, presence_penalty=-0.5, temperature=0)
+        assert turn.status in ("completed", "incomplete")
+    assert (1.25, -0.5) in await penalties_seen()

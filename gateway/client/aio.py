@@ -637,7 +637,8 @@ def connect(
     ``resume``: when the connection drops, reconnect and resume the session, trying for
     up to ``resume_timeout`` seconds, so that calls go on unaware (``False``: raise
     :class:`ConnectionLost` at once).
-    ``options`` (instructions, max_output_tokens, temperature, top_p, seed, stop) are sent
+    ``options`` (instructions, max_output_tokens, temperature, top_p, seed, stop,
+    frequency_penalty, presence_penalty) are sent
     with ``session.update`` and apply to every answer.
     """
     return Connect(url, api_key, timeout, resume, resume_timeout, options)

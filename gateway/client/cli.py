@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--frequency-penalty", type=float, default=None, help="-2.0 to 2.0")
+    parser.add_argument("--presence-penalty", type=float, default=None, help="-2.0 to 2.0")
     parser.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds to wait for any event"
     )
@@ -65,6 +67,10 @@ def session_options(args: argparse.Namespace) -> SessionOptions:
         options["top_p"] = args.top_p
     if args.seed is not None:
         options["seed"] = args.seed
+    if args.frequency_penalty is not None:
+        options["frequency_penalty"] = args.frequency_penalty
+    if args.presence_penalty is not None:
+        options["presence_penalty"] = args.presence_penalty
     return options
 
 

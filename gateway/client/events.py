@@ -28,6 +28,8 @@ class SessionOptions(TypedDict, total=False):
     top_p: float
     seed: int
     stop: str | Sequence[str]
+    frequency_penalty: float
+    presence_penalty: float
 
 
 class ResponseOptions(SessionOptions, total=False):

@@ -81,6 +81,9 @@ class SamplingParams:
     top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # OpenAI Chat Completions' penalties, -2.0..2.0 (None: the engine's own default).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

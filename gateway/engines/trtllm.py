@@ -560,6 +560,9 @@ class TrtllmEngine(StreamingEngine):
             top_p=DEFAULT_TOP_P if sampling.top_p is None else sampling.top_p,
             seed=sampling.seed,
             stop=list(sampling.stop) or None,
+            # None: the C++ runtime's default, 0 (off); any value is valid there.
+            frequency_penalty=sampling.frequency_penalty,
+            presence_penalty=sampling.presence_penalty,
             # Keep the stop string in token_ids and text: on a stop-word match TensorRT-LLM
             # otherwise removes its tokens from token_ids (executor/result.py,
             # _handle_sequence), and usage would miss tokens the model did generate. The

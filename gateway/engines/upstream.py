@@ -387,6 +387,8 @@ class UpstreamEngine(StreamingEngine):
             "top_p": s.top_p,
             "seed": s.seed,
             "stop": list(s.stop) or None,
+            "frequency_penalty": s.frequency_penalty,
+            "presence_penalty": s.presence_penalty,
         }
         body.update({k: v for k, v in optional.items() if v is not None})
         return body

@@ -27,7 +27,8 @@ const ui = {
   newConversation: $("new-conversation"),
   instructions: $("instructions"),
   temperature: $("temperature"),
-  temperatureValue: $("temperature-value"),
+  frequencyPenalty: $("frequency-penalty"),
+  presencePenalty: $("presence-penalty"),
   maxTokens: $("max-tokens"),
   apiKey: $("api-key"),
   apiKeyField: $("api-key-field"),
@@ -776,28 +777,37 @@ function newConversation() {
 
 // ---------------------------------------------------------------- settings
 
+/** The sampling sliders, by the session field each one sets. */
+const SAMPLING_SLIDERS = {
+  temperature: ui.temperature,
+  frequency_penalty: ui.frequencyPenalty,
+  presence_penalty: ui.presencePenalty,
+};
+
 /**
  * The page starts from the sampling the server starts sessions with (each engine picks what
- * suits its model: a small one needs a low temperature) until the user moves the slider.
- * A server with no default of its own (null) gets null back: the engine's own default.
+ * suits its model: a small one needs a low temperature and a penalty on repeats) until the
+ * user moves a slider. A server with no default of its own (null) gets null back: the
+ * engine's own default.
  */
 function adoptServerSampling(session) {
-  if (ui.temperature.dataset.touched) return;
-  const temperature = typeof session.temperature === "number" ? session.temperature : null;
-  ui.temperature.dataset.serverDefault = temperature === null ? "" : String(temperature);
-  if (temperature !== null) ui.temperature.value = String(temperature);
-  showTemperature();
+  for (const [name, slider] of Object.entries(SAMPLING_SLIDERS)) {
+    if (slider.dataset.touched) continue;
+    const value = typeof session[name] === "number" ? session[name] : null;
+    slider.dataset.serverDefault = value === null ? "" : String(value);
+    if (value !== null) slider.value = String(value);
+    showSlider(slider);
+  }
 }
 
-function pageTemperature() {
-  const untouchedEngineDefault =
-    !ui.temperature.dataset.touched && ui.temperature.dataset.serverDefault === "";
-  return untouchedEngineDefault ? null : Number(ui.temperature.value);
+function sliderValue(slider) {
+  const untouchedEngineDefault = !slider.dataset.touched && slider.dataset.serverDefault === "";
+  return untouchedEngineDefault ? null : Number(slider.value);
 }
 
-function showTemperature() {
-  const value = pageTemperature();
-  ui.temperatureValue.textContent = value === null ? "model default" : value.toFixed(2);
+function showSlider(slider) {
+  const value = sliderValue(slider);
+  $(`${slider.id}-value`).textContent = value === null ? "model default" : value.toFixed(2);
 }
 
 function currentSettings() {
@@ -806,7 +816,9 @@ function currentSettings() {
     type: "realtime",
     output_modalities: ["text"],
     instructions: ui.instructions.value,
-    temperature: pageTemperature(),
+    temperature: sliderValue(ui.temperature),
+    frequency_penalty: sliderValue(ui.frequencyPenalty),
+    presence_penalty: sliderValue(ui.presencePenalty),
     max_output_tokens: Number.isFinite(maxTokens) && maxTokens > 0 ? maxTokens : "inf",
   };
 }
@@ -937,13 +949,15 @@ ui.prompt.addEventListener("input", () => {
 });
 ui.stop.addEventListener("click", stopAnswer);
 ui.newConversation.addEventListener("click", newConversation);
-for (const input of [ui.instructions, ui.temperature, ui.maxTokens]) {
+for (const input of [ui.instructions, ui.maxTokens, ...Object.values(SAMPLING_SLIDERS)]) {
   input.addEventListener("change", syncSettings);
 }
-ui.temperature.addEventListener("input", () => {
-  ui.temperature.dataset.touched = "true";
-  showTemperature();
-});
+for (const slider of Object.values(SAMPLING_SLIDERS)) {
+  slider.addEventListener("input", () => {
+    slider.dataset.touched = "true";
+    showSlider(slider);
+  });
+}
 ui.apiKey.addEventListener("change", saveKey);
 $("api-key-form").addEventListener("submit", (ev) => {
   ev.preventDefault();
