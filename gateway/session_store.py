@@ -220,7 +220,6 @@ class RedisStore:
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
         self._renew: Any = None
-        self._append: Any = None
 
     @property
     def key_ttl_ms(self) -> int:
@@ -230,7 +229,6 @@ class RedisStore:
     async def start(self) -> None:
         """Connect (a Redis that is down now is retried in the background)."""
         self._renew = self.client.register_script(_RENEW)
-        self._append = self.client.register_script(_APPEND)
         with contextlib.suppress(RedisError, OSError):
             await self.client.ping()
             self._set_up(True)
@@ -480,7 +478,11 @@ class RedisStore:
                 keys.append(log_key(session_id))
                 args += (p.frames[0][0], b"\n".join(frame for _, frame in p.frames))
         if keys:
-            await self._append(keys=keys, args=args, client=pipe)
+            # EVAL, not a registered script's EVALSHA: redis-py makes a pipeline that runs a
+            # registered script ask SCRIPT EXISTS first, a round trip of its own before every
+            # flush (the script's text costs Redis a hash; the round trip costs a frame's
+            # client a whole one more wait).
+            pipe.eval(_APPEND, len(keys), *keys, *args)
         for session_id, p in taken.items():
             key = log_key(session_id)
             if p.forget:
