@@ -51,9 +51,12 @@ log = logging.getLogger(__name__)
 PREFIX = "llmgw:"
 LEASE_SECONDS = 3.0
 MAX_CONNECTIONS = 256
-# Flushes of a lane sent and not answered yet: a flush goes out while the ones before it
-# wait for their replies (a bound, so that a slow Redis pushes back on the lane).
-FLUSHES_IN_FLIGHT = 8
+# Flushes of a lane sent and not answered yet. The state lane's go out while those before
+# them wait for their replies (bounded, so that a slow Redis pushes back on the lane); the
+# log lane's one at a time: what comes in meanwhile joins the next flush, and a gateway
+# flat out would spend more CPU per token on more, smaller flushes (bench/store.py cpu).
+LOG_FLUSHES_IN_FLIGHT = 1
+STATE_FLUSHES_IN_FLIGHT = 8
 # Every frame a loop turn logged, for every session, in one command: a command (or even
 # an argument) per frame would cost the gateway more CPU than the frame itself. KEYS: the
 # logs; ARGV: the key TTL, then per key the first frame's number and the frames joined by
@@ -156,6 +159,7 @@ class _Lane:
     the writer waits for room in flight."""
 
     name: str
+    depth: int  # flushes in flight at most
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     started: int = 0
     done: int = 0
@@ -233,8 +237,8 @@ class RedisStore:
         self._responses: list[tuple[str, bytes | None, float]] = []  # None: delete
         self._owned: set[str] = set()
         self._trimmed: dict[str, int] = {}  # the log's first kept entry, as last trimmed
-        self._log_lane = _Lane("log")
-        self._state_lane = _Lane("state")
+        self._log_lane = _Lane("log", LOG_FLUSHES_IN_FLIGHT)
+        self._state_lane = _Lane("state", STATE_FLUSHES_IN_FLIGHT)
         # The flush of each lane that carries a session's latest queued write, while it
         # is not written yet (what a held frame of that session waits for).
         self._log_due: dict[str, int] = {}
@@ -494,7 +498,7 @@ class RedisStore:
                 if reader.done():
                     reader.result()  # its error
                 lane.wake.clear()
-                if len(lane.sent) >= FLUSHES_IN_FLIGHT:
+                if len(lane.sent) >= lane.depth:
                     lane.full = True  # the reader wakes the lane when one is answered
                     continue
                 await self._send_flush(lane, conn)
