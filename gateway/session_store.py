@@ -34,13 +34,15 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 import redis.asyncio as redis
-from redis.exceptions import RedisError
+from redis.asyncio.connection import AbstractConnection
+from redis.exceptions import RedisError, ResponseError
 
 from gateway.metrics import Metrics
 
@@ -49,6 +51,12 @@ log = logging.getLogger(__name__)
 PREFIX = "llmgw:"
 LEASE_SECONDS = 3.0
 MAX_CONNECTIONS = 256
+# Flushes of a lane sent and not answered yet. The state lane's go out while those before
+# them wait for their replies (bounded, so that a slow Redis pushes back on the lane); the
+# log lane's one at a time: what comes in meanwhile joins the next flush, and a gateway
+# flat out would spend more CPU per token on more, smaller flushes (bench/store.py cpu).
+LOG_FLUSHES_IN_FLIGHT = 1
+STATE_FLUSHES_IN_FLIGHT = 8
 # Every frame a loop turn logged, for every session, in one command: a command (or even
 # an argument) per frame would cost the gateway more CPU than the frame itself. KEYS: the
 # logs; ARGV: the key TTL, then per key the first frame's number and the frames joined by
@@ -132,14 +140,32 @@ class _StateWrites:
 
 
 @dataclass(slots=True)
+class _Sent:
+    """A flush that went out: its number, how many replies it waits for, how to queue
+    what it wrote again if they never come, and the frames' bytes it took."""
+
+    number: int
+    replies: int
+    requeue: Callable[[], None]
+    frame_bytes: int
+    sent: float
+
+
+@dataclass(slots=True)
 class _Lane:
     """One writer task and what waits for it. ``started``: flushes begun; ``done``:
-    flushes written. What is queued now leaves in flush ``started + 1``."""
+    flushes written. What is queued now leaves in flush ``started + 1``. ``sent``: the
+    flushes in flight, oldest first; ``more``: the reader has one more to read; ``full``:
+    the writer waits for room in flight."""
 
     name: str
+    depth: int  # flushes in flight at most
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     started: int = 0
     done: int = 0
+    sent: deque[_Sent] = field(default_factory=deque)
+    more: asyncio.Event = field(default_factory=asyncio.Event)
+    full: bool = False
 
     @property
     def next(self) -> int:
@@ -166,7 +192,9 @@ class Loaded:
 class RedisStore:
     """Two writer tasks ("lanes"), each one pipeline per loop turn, each on a connection of
     its own: the **log lane** appends frames to the event logs; the **state lane** writes
-    sessions' states, leases and stored responses. A socket's held frames go out once the
+    sessions' states, leases and stored responses. A lane's flushes are pipelined on its
+    connection: one goes out while those before it wait for their replies, each releasing
+    what waits for it when its own replies are in, in order. A socket's held frames go out once the
     log lane has written them *and* the state lane has written what their own session
     queued before them (:meth:`due`): a ``response.created`` never reaches a
     client before the state that has its response in flight, yet a delta never waits
@@ -209,8 +237,8 @@ class RedisStore:
         self._responses: list[tuple[str, bytes | None, float]] = []  # None: delete
         self._owned: set[str] = set()
         self._trimmed: dict[str, int] = {}  # the log's first kept entry, as last trimmed
-        self._log_lane = _Lane("log")
-        self._state_lane = _Lane("state")
+        self._log_lane = _Lane("log", LOG_FLUSHES_IN_FLIGHT)
+        self._state_lane = _Lane("state", STATE_FLUSHES_IN_FLIGHT)
         # The flush of each lane that carries a session's latest queued write, while it
         # is not written yet (what a held frame of that session waits for).
         self._log_due: dict[str, int] = {}
@@ -220,7 +248,6 @@ class RedisStore:
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
         self._renew: Any = None
-        self._append: Any = None
 
     @property
     def key_ttl_ms(self) -> int:
@@ -230,7 +257,6 @@ class RedisStore:
     async def start(self) -> None:
         """Connect (a Redis that is down now is retried in the background)."""
         self._renew = self.client.register_script(_RENEW)
-        self._append = self.client.register_script(_APPEND)
         with contextlib.suppress(RedisError, OSError):
             await self.client.ping()
             self._set_up(True)
@@ -416,15 +442,12 @@ class RedisStore:
             w.callback()
 
     async def _writer(self, lane: _Lane) -> None:
+        """A lane: flushes pipelined on a connection of its own (see :meth:`_pipeline`);
+        when Redis fails, what was in flight is queued again and retried with a backoff."""
         backoff = 0.05
-        write = self._write_logs if lane is self._log_lane else self._write_states
         while True:
-            await lane.wake.wait()
-            lane.wake.clear()
-            lane.started += 1
-            started = time.perf_counter()
             try:
-                await write()
+                await self._pipeline(lane)
             except (RedisError, OSError) as exc:
                 if self.up:
                     log.warning(
@@ -433,25 +456,94 @@ class RedisStore:
                 self._set_up(False)
                 if self.metrics is not None:
                     self.metrics.store_errors.inc()
-                lane.done = lane.started  # what it had waits in the queue again
+                # Newest first: each goes before what is queued, so the oldest ends first.
+                while lane.sent:
+                    lane.sent.pop().requeue()
+                lane.done = lane.started
                 self._call_back(everyone=True)
                 await asyncio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
                 lane.wake.set()
                 continue
-            backoff = 0.05
-            if not self.up:
-                log.info("session store is back: sessions are stored again")
-                for session_id in self._owned:  # Redis may have lost the leases
-                    self._state_entry(session_id).own = True
-            self._set_up(True)
-            lane.done = lane.started
-            if self.metrics is not None:
-                self.metrics.store_flush_seconds.observe(time.perf_counter() - started)
-            self._forget_written(lane)
-            # The sockets' releases (a transport write each) after this lane's next flush
-            # has gone out, not before it: they are ready now, the next flush is not.
-            asyncio.get_running_loop().call_soon(self._call_back)
+
+    def _written(self, lane: _Lane, number: int, started: float) -> None:
+        """Flush ``number`` of ``lane`` (and every one before it) is in Redis."""
+        if not self.up:
+            log.info("session store is back: sessions are stored again")
+            for session_id in self._owned:  # Redis may have lost the leases
+                self._state_entry(session_id).own = True
+        self._set_up(True)
+        lane.done = number
+        if self.metrics is not None:
+            self.metrics.store_flush_seconds.observe(time.perf_counter() - started)
+        self._forget_written(lane)
+        # The sockets' releases (a transport write each) after this lane's next flush
+        # has gone out, not before it: they are ready now, the next flush is not.
+        asyncio.get_running_loop().call_soon(self._call_back)
+
+    async def _pipeline(self, lane: _Lane) -> None:
+        """Send each flush as soon as it is due, without waiting for the replies of those
+        in flight (a task of its own reads them, in order: one connection, so Redis runs the
+        flushes in the order they were sent, a session's log entries arrive in sequence and
+        its state is never older than the one written before it). Raises when the
+        connection fails."""
+        pool = self.client.connection_pool
+        await lane.wake.wait()  # connect when there is something to write (not while idle)
+        conn = await pool.get_connection()  # type: ignore[no-untyped-call]
+        lane.more.clear()
+        reader = asyncio.get_running_loop().create_task(self._read_replies(lane, conn))
+        try:
+            while True:
+                await lane.wake.wait()  # something to send; room again; the reader ended
+                if reader.done():
+                    reader.result()  # its error
+                lane.wake.clear()
+                if len(lane.sent) >= lane.depth:
+                    lane.full = True  # the reader wakes the lane when one is answered
+                    continue
+                await self._send_flush(lane, conn)
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            with contextlib.suppress(RedisError, OSError):
+                await conn.disconnect()
+            await pool.release(conn)
+
+    async def _send_flush(self, lane: _Lane, conn: AbstractConnection) -> None:
+        lane.started += 1
+        if lane is self._log_lane:
+            commands, requeue, frame_bytes = self._take_logs()
+        else:
+            commands, requeue, frame_bytes = self._take_states()
+        sent = _Sent(lane.started, len(commands), requeue, frame_bytes, time.perf_counter())
+        lane.sent.append(sent)  # before the send: a failure queues it again
+        if commands:
+            await conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+        lane.more.set()  # the reader: one more flush to read (maybe with no reply)
+
+    async def _read_replies(self, lane: _Lane, conn: AbstractConnection) -> None:
+        """The replies of the lane's flushes in flight, oldest first: what waits for a
+        flush is called back when its own replies are in."""
+        sent = lane.sent
+        try:
+            while True:
+                if not sent:
+                    lane.more.clear()
+                    await lane.more.wait()
+                    continue
+                flush = sent[0]
+                for _ in range(flush.replies):
+                    with contextlib.suppress(ResponseError):  # one command's refusal
+                        await conn.read_response()
+                sent.popleft()
+                self.buffered_bytes -= flush.frame_bytes
+                self._written(lane, flush.number, flush.sent)
+                if lane.full:  # room for one more in flight
+                    lane.full = False
+                    lane.wake.set()
+        finally:
+            lane.wake.set()  # the writer: see whether the reader ended
 
     def _forget_written(self, lane: _Lane) -> None:
         due = self._log_due if lane is self._log_lane else self._state_due
@@ -460,17 +552,16 @@ class RedisStore:
             for session_id in [k for k, v in due.items() if v <= done]:
                 del due[session_id]
 
-    async def _write_logs(self) -> None:
+    def _take_logs(self) -> tuple[list[tuple[Any, ...]], Callable[[], None], int]:
+        """What the log lane's next flush writes: its commands, how to queue it again, and
+        its frames' bytes."""
         taken, self._logs = self._logs, {}
-        try:
-            await self._send_logs(taken)
-        except BaseException:
-            self._requeue_logs(taken)
-            raise
+        frame_bytes = sum(len(f) for p in taken.values() for _, f in p.frames)
+        return self._log_commands(taken), lambda: self._requeue_logs(taken), frame_bytes
 
-    async def _send_logs(self, taken: dict[str, _LogWrites]) -> None:
+    def _log_commands(self, taken: dict[str, _LogWrites]) -> list[tuple[Any, ...]]:
         ttl = self.key_ttl_ms
-        pipe = self.client.pipeline(transaction=False)
+        commands: list[tuple[Any, ...]] = []
         keys: list[str] = []
         args: list[Any] = [ttl]
         for session_id, p in taken.items():
@@ -480,20 +571,21 @@ class RedisStore:
                 keys.append(log_key(session_id))
                 args += (p.frames[0][0], b"\n".join(frame for _, frame in p.frames))
         if keys:
-            await self._append(keys=keys, args=args, client=pipe)
+            # EVAL with the script's text, not a registered script: redis-py makes a
+            # pipeline that runs one ask SCRIPT EXISTS first, a round trip of its own
+            # before every flush (the text costs Redis a hash; that round trip cost each
+            # frame's client one more wait). The text also survives a Redis restart.
+            commands.append(("EVAL", _APPEND, len(keys), *keys, *args))
         for session_id, p in taken.items():
             key = log_key(session_id)
             if p.forget:
-                pipe.delete(key)
+                commands.append(("DEL", key))
                 continue
             if p.trim_before is not None:
-                pipe.xtrim(key, minid=f"{p.trim_before}-0")
+                commands.append(("XTRIM", key, "MINID", f"{p.trim_before}-0"))
             if p.expire_in is not None:
-                pipe.pexpire(key, max(1, int(1000 * p.expire_in)))
-        if len(pipe):
-            await pipe.execute(raise_on_error=False)
-        for p in taken.values():
-            self.buffered_bytes -= sum(len(f) for _, f in p.frames)
+                commands.append(("PEXPIRE", key, max(1, int(1000 * p.expire_in))))
+        return commands
 
     def _requeue_logs(self, taken: dict[str, _LogWrites]) -> None:
         for session_id, old in taken.items():
@@ -508,38 +600,38 @@ class RedisStore:
             if new.expire_in is None:
                 new.expire_in = old.expire_in
 
-    async def _write_states(self) -> None:
+    def _take_states(self) -> tuple[list[tuple[Any, ...]], Callable[[], None], int]:
+        """What the state lane's next flush writes, and how to queue it again."""
         taken, self._states = self._states, {}
         responses, self._responses = self._responses, []
-        try:
-            await self._send_states(taken, responses)
-        except BaseException:
-            self._requeue_states(taken, responses)
-            raise
+        commands = self._state_commands(taken, responses)
+        return commands, lambda: self._requeue_states(taken, responses), 0
 
-    async def _send_states(
+    def _state_commands(
         self, taken: dict[str, _StateWrites], responses: list[tuple[str, bytes | None, float]]
-    ) -> None:
+    ) -> list[tuple[Any, ...]]:
         ttl = self.key_ttl_ms
-        pipe = self.client.pipeline(transaction=False)
+        lease = int(1000 * self.lease_seconds)
+        commands: list[tuple[Any, ...]] = []
         for session_id, p in taken.items():
             if p.forget:
-                pipe.delete(state_key(session_id), owner_key(session_id))
+                commands.append(("DEL", state_key(session_id), owner_key(session_id)))
                 continue
             if p.state is not None:
-                pipe.set(state_key(session_id), p.state(), px=ttl)
+                commands.append(("SET", state_key(session_id), p.state(), "PX", ttl))
             if p.own:
-                pipe.set(owner_key(session_id), self.process, px=int(1000 * self.lease_seconds))
+                commands.append(("SET", owner_key(session_id), self.process, "PX", lease))
             elif p.release_for is not None:
-                pipe.delete(owner_key(session_id))
-                pipe.pexpire(state_key(session_id), max(1, int(1000 * p.release_for)))
+                commands.append(("DEL", owner_key(session_id)))
+                keep = max(1, int(1000 * p.release_for))
+                commands.append(("PEXPIRE", state_key(session_id), keep))
         for response_id, data, seconds in responses:
             if data is None:
-                pipe.delete(response_key(response_id))
+                commands.append(("DEL", response_key(response_id)))
             else:
-                pipe.set(response_key(response_id), data, px=max(1, int(1000 * seconds)))
-        if len(pipe):
-            await pipe.execute(raise_on_error=False)
+                keep = max(1, int(1000 * seconds))
+                commands.append(("SET", response_key(response_id), data, "PX", keep))
+        return commands
 
     def _requeue_states(
         self, taken: dict[str, _StateWrites], responses: list[tuple[str, bytes | None, float]]
