@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -223,30 +222,6 @@ async def test_a_closed_session_leaves_no_keys(redis_server: RedisServer) -> Non
                 await asyncio.sleep(0.05)
 
 
-@contextlib.asynccontextmanager
-async def taken_over(
-    url: str, session: str, token: str, last: dict[str, Any]
-) -> AsyncIterator[ResponsesClient]:
-    """A Responses connection to ``url`` resuming ``session`` after event ``last``: tried
-    again until the dead owner's lease has run out and this gateway takes the session."""
-    headers = {
-        "x-session-id": session,
-        "x-resume-token": token,
-        "x-last-sequence-number": str(last["sequence_number"]),
-    }
-    async with asyncio.timeout(TIMEOUT):
-        while True:
-            try:
-                ws = await connect(url, open_timeout=TIMEOUT, additional_headers=headers)
-                break
-            except Exception:
-                await asyncio.sleep(0.5)  # the dead owner's lease has not run out yet
-    try:
-        yield ResponsesClient(ws)
-    finally:
-        await ws.close()
-
-
 async def test_the_responses_dialect_takes_over_and_continues_stored_responses(
     redis_server: RedisServer,
 ) -> None:
@@ -257,8 +232,21 @@ async def test_the_responses_dialect_takes_over_and_continues_stored_responses(
             await c.create(input="A long one", previous_response_id=first.id)
             seen = [await c.recv() for _ in range(8)]
             a.kill()
-        async with taken_over(b.url("/v1/responses"), session, token, seen[-1]) as r:
-            rest = await r.collect()
+        headers = {
+            "x-session-id": session,
+            "x-resume-token": token,
+            "x-last-sequence-number": str(seen[-1]["sequence_number"]),
+        }
+        async with asyncio.timeout(TIMEOUT):
+            while True:
+                try:
+                    async with ResponsesClient.connect(
+                        b.url("/v1/responses"), additional_headers=headers
+                    ) as r:
+                        rest = await r.collect()
+                        break
+                except Exception:
+                    await asyncio.sleep(0.5)  # the dead owner's lease has not run out yet
         events = seen + rest.events
         numbers = [e["sequence_number"] for e in events]
         assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))
@@ -316,9 +304,22 @@ async def test_a_takeover_keeps_the_responses_turns_waiting_for_a_slot(
                     await asyncio.sleep(0.02)
             seen += [await c.recv() for _ in range(2)]
             a.kill()
-        async with taken_over(b.url("/v1/responses"), session, token, seen[-1]) as r:
-            first = await r.collect()
-            second = await r.collect()
+        headers = {
+            "x-session-id": session,
+            "x-resume-token": token,
+            "x-last-sequence-number": str(seen[-1]["sequence_number"]),
+        }
+        async with asyncio.timeout(TIMEOUT):
+            while True:
+                try:
+                    async with ResponsesClient.connect(
+                        b.url("/v1/responses"), additional_headers=headers
+                    ) as r:
+                        first = await r.collect()
+                        second = await r.collect()
+                        break
+                except Exception:
+                    await asyncio.sleep(0.5)  # the dead owner's lease has not run out yet
         events = seen + first.events + second.events
         numbers = [e["sequence_number"] for e in events]
         assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))
