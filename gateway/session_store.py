@@ -246,7 +246,8 @@ class RedisStore:
         self._responses_due = 0  # a stored response: every held frame waits for it
         self._waiters: list[_Waiter] = []
         self._tasks: list[asyncio.Task[None]] = []
-        self._closing = False
+        self._renewing: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()  # close() has begun: no more lease renewals
         self._renew: Any = None
 
     @property
@@ -265,16 +266,24 @@ class RedisStore:
                 "session store %s does not answer: memory-only until it does", _safe(self.url)
             )
         loop = asyncio.get_running_loop()
+        self._renewing = loop.create_task(self._renewer(), name="store-leases")
         self._tasks = [
             loop.create_task(self._writer(self._log_lane), name="store-log-writer"),
             loop.create_task(self._writer(self._state_lane), name="store-state-writer"),
-            loop.create_task(self._renewer(), name="store-leases"),
+            self._renewing,
         ]
 
     async def close(self) -> None:
         """Write what waits, let go of every lease (another process may take the sessions
         over at once), close the connections."""
-        self._closing = True
+        # The renewals go on a connection of their own, and their script takes a lease that
+        # is gone again (a Redis that lost it): one in flight now could land after the
+        # releases below and hold every session for another lease. So the renewer stops
+        # first, letting a renewal it has begun finish.
+        self._closing.set()
+        if self._renewing is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._renewing
         for session_id in list(self._owned):
             self.release(session_id, self.resume_window)
         with contextlib.suppress(TimeoutError, RedisError, OSError):
@@ -651,7 +660,10 @@ class RedisStore:
     async def _renewer(self) -> None:
         """Renew the leases (and key lifetimes) of every session this process holds."""
         while True:
-            await asyncio.sleep(self.lease_seconds / 3)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), self.lease_seconds / 3)
+            if self._closing.is_set():
+                return
             if not self._owned or not self.up:
                 continue
             lease, ttl = int(1000 * self.lease_seconds), self.key_ttl_ms

@@ -65,6 +65,16 @@ class GatewayProcess:
         await self._drain
         return code
 
+    async def close(self) -> None:
+        """Stopped, and its log pipe closed (else a later test's warnings catch it)."""
+        if self.process.poll() is None:
+            await self.stop()
+        else:
+            await asyncio.to_thread(self.process.wait, TIMEOUT)
+            await self._drain
+        assert self.process.stderr is not None
+        self.process.stderr.close()
+
 
 @contextlib.asynccontextmanager
 async def gateways(
@@ -75,8 +85,7 @@ async def gateways(
         yield started
     finally:
         for g in started:
-            if g.process.poll() is None:
-                await g.stop()
+            await g.close()
 
 
 class RollingPair:
@@ -113,8 +122,7 @@ class RollingPair:
 
     async def _stop_all(self) -> None:
         for g in self.gateways:
-            if g.process.poll() is None:
-                await g.stop()
+            await g.close()
 
     def begin_restart(self, index: int) -> None:
         self.gateways[index].terminate()
@@ -122,6 +130,7 @@ class RollingPair:
     async def finish_restart(self, index: int) -> None:
         old = self.gateways[index]
         code = await old.stop()
+        await old.close()
         assert code == 0, old.log[-10:]
         self.gateways[index] = GatewayProcess(*self._args, **self._kw)
         self.balancer.set_backends(g.address for g in self.gateways)
