@@ -734,6 +734,30 @@ async def test_a_fatal_executor_error_is_never_handled_on_the_event_loop(
     assert threading.main_thread() not in standin.stats.shutdown_threads
 
 
+async def test_a_fatal_error_an_output_raises_is_the_failure_reported(
+    standin: ModuleType,
+) -> None:
+    # The worker's death can reach a streaming output before the periodic check sees it:
+    # TensorRT-LLM then takes the error off its queue, shuts the executor down and raises
+    # it. The failure the gateway reports must be that error, not a bare "shut down".
+    standin.controls.reply = "z " * 1000
+    eng = standin_engine()  # the periodic check is far away: only the output notices
+    await eng.start()
+    try:
+        stream = eng.stream(request("ramble"))
+        while not isinstance(await anext(stream), TextDelta):
+            pass
+        eng.llm._executor._error_queue.put(RuntimeError("Executor worker died (exit code -9)"))
+        with pytest.raises(EngineError) as info:
+            async for _ in stream:
+                pass
+        assert info.value.code == "engine_unavailable"
+        assert "Executor worker died" in str(info.value)
+        assert "Executor worker died" in (eng.failure or "")
+    finally:
+        await eng.close()
+
+
 async def test_the_gateway_reports_a_dead_engine(standin: ModuleType) -> None:
     standin.controls.reply = "z " * 1000
     standin.controls.worker_process = True

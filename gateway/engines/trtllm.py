@@ -701,8 +701,12 @@ class TrtllmEngine(StreamingEngine):
         after shutting its executor down, so check whether the executor is gone."""
         reason = _executor_failure(self._llm) if self._llm is not None else None
         if reason is not None or "shutting down" in str(exc):
-            self._executor_failed(reason or _one_line(exc))
-            return EngineUnavailableError(_failed_message(self.failure or _one_line(exc)))
+            # The error raised here is usually the background error itself, taken off the
+            # queue by the output that raised it: it says more than a bare "shut down".
+            if reason in (None, _SHUT_DOWN):
+                reason = _one_line(exc)
+            self._executor_failed(reason)
+            return EngineUnavailableError(_failed_message(self.failure or reason))
         return EngineError("engine_error", f"TensorRT-LLM failed: {_one_line(exc)}")
 
     # -- a dead executor ---------------------------------------------------------------
@@ -749,6 +753,9 @@ _PROMPT_TOO_LONG = re.compile(r"default_max_tokens.*greater than 0|exceeds? .*ma
 _MAX_SEQ_LEN = re.compile(r"max_seq_len \((\d+)\)")
 
 
+_SHUT_DOWN = "the executor shut down"
+
+
 def _failed_message(reason: str) -> str:
     return f"the TensorRT-LLM engine failed ({reason}); the gateway must be restarted"
 
@@ -771,7 +778,7 @@ def _executor_failure(llm: Any) -> str | None:
             return _one_line(pending[0])
     is_shutdown = getattr(executor, "is_shutdown", None)
     if callable(is_shutdown) and is_shutdown():
-        return "the executor shut down"
+        return _SHUT_DOWN
     return None
 
 
