@@ -243,9 +243,13 @@ async def test_a_full_scheduler_answers_429_with_retry_after() -> None:
 
 
 @pytest.fixture(scope="module")
-def http_url() -> Iterator[str]:
-    with gateway_on_a_thread(SimEngine(step_ms=0, response_tokens=2)) as gw:
-        yield gw.http_url
+def http_client() -> Iterator[httpx.Client]:
+    """One client, keeping its connection, for every example: hypothesis runs many."""
+    with (
+        gateway_on_a_thread(SimEngine(step_ms=0, response_tokens=2)) as gw,
+        httpx.Client(base_url=gw.http_url, timeout=10) as http,
+    ):
+        yield http
 
 
 _bodies = st.binary(max_size=64) | st.dictionaries(
@@ -257,6 +261,6 @@ _bodies = st.binary(max_size=64) | st.dictionaries(
 
 @settings(max_examples=150, deadline=None)
 @given(body=_bodies)
-def test_no_body_gives_a_500(http_url: str, body: bytes) -> None:
-    reply = httpx.post(f"{http_url}/v1/responses", content=body, timeout=10)
+def test_no_body_gives_a_500(http_client: httpx.Client, body: bytes) -> None:
+    reply = http_client.post("/v1/responses", content=body)
     assert reply.status_code < 500, reply.text

@@ -147,7 +147,10 @@ async def test_sigterm_drains_then_every_client_resumes_on_the_other_gateway(
     redis_server: RedisServer,
 ) -> None:
     sessions = 200
-    async with gateways(redis_server.url, 2, "--drain-timeout", "0.3", tokens=300) as (a, b):
+    # All 200 stream at once (the sim's batch holds them all: with its default of 64 the
+    # rest would wait for whole answers before their first delta).
+    extra = ("--drain-timeout", "0.3", "--sim-max-batch", str(sessions))
+    async with gateways(redis_server.url, 2, *extra, tokens=150) as (a, b):
         chats = [Chat() for _ in range(sessions)]
         await asyncio.gather(*(c.open(a.url()) for c in chats))
         await asyncio.gather(*(c.ask(f"question {i}") for i, c in enumerate(chats)))
