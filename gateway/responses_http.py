@@ -112,10 +112,10 @@ class ResponsesHttp:
             _error(reply, err)
             return
         waiter = _Waiter()
-        session = self.gateway.open_http_session(
+        session = self.gateway.open_session(
             ResponsesDialect(self.gateway.response_store, waiter),
             ResponsesFraming(),
-            BACKGROUND_REPLAY_BYTES if body.background else 0,
+            replay_bytes=BACKGROUND_REPLAY_BYTES if body.background else 0,
         )
         await session.deliver(rp.Create(body))
         try:
@@ -301,11 +301,11 @@ class ResponsesHttp:
 
     def _refused(self, request: HttpRequest, reply: HttpReply, *, engine: bool = True) -> bool:
         """Answer (and True) if the request may not be served: credentials, Origin, load."""
-        refusal = self.gateway.refuse_http(request.headers, need_engine=engine)
-        if refusal is None:
+        refused = self.gateway.refuse_http(request.headers, need_engine=engine)
+        if refused is None:
             return False
-        status, err, headers = refusal
-        reply.send_json(status, _error_body(err), headers)
+        err = p.ProtocolError(refused.code, refused.message, error_type=refused.error_type)
+        reply.send_json(refused.status, _error_body(err), refused.headers)
         return True
 
     async def _find(self, response_id: str) -> StoredResponse | None:

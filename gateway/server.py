@@ -1,13 +1,14 @@
-"""The network edge: one port for the Realtime WebSocket and a few HTTP routes.
+"""The network edge: one port for the WebSockets and the HTTP routes, and the sessions.
 
 gateway/http1.py reads every request on the port (h11) and answers the routes of
-:meth:`Gateway._routes`; a WebSocket upgrade to one of ``WEBSOCKET_PATHS`` goes on to
-websockets, which calls :meth:`Gateway._process_request` (the handshake's checks) and
-then :meth:`Gateway._handle` with the open connection.
+gateway/routes.py; a WebSocket upgrade to one of ``WEBSOCKET_PATHS`` goes on to
+websockets, which calls :meth:`Gateway._process_request` (the handshake's checks:
+gateway/admission.py, and gateway/resumes.py for a Responses resume) and then
+:meth:`Gateway._handle` with the open connection.
 
 Per connection two tasks run: this module's reader (frames -> decoded events
 -> the session's inbox) and the session actor (sessions/core.py, with its dialect), which may
-outlive the connection (a dropped one waits for ``session.resume``). The
+outlive the connection (a dropped one waits for a resume). The
 session's outbox (sessions/outbox.py) is the one path to the socket: it writes
 through a :class:`~gateway.wire.SocketWire`, straight from the caller's stack
 while the socket has room, and through a writer task of its own only while the
@@ -19,14 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
-import secrets
 import ssl
 import time
-import urllib.parse
-import weakref
 from collections.abc import Sequence, ValuesView
-from dataclasses import dataclass
 from typing import cast
 
 from websockets.asyncio.server import Server, ServerConnection, serve, unix_serve
@@ -35,15 +31,18 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
-from gateway import auth, protocol, relay, responses_protocol, static, store_relay, tls
+from gateway import auth, protocol, relay, responses_protocol, routes, tls
+from gateway.admission import Admission, Entry, Refusal
 from gateway.config import GatewayConfig
 from gateway.engines.base import Engine, EngineError
 from gateway.handshake import Pending, refusal
-from gateway.http1 import HttpReply, HttpRequest, HttpService
+from gateway.http1 import HttpService
 from gateway.metrics import Metrics
 from gateway.persistence import Persistence, process_id
 from gateway.responses_http import ResponsesHttp
+from gateway.resumes import RESUME_ERRORS, Resumes, is_responses_upgrade
 from gateway.router import Router
+from gateway.routes import WEBSOCKET_PATHS
 from gateway.scheduler import Scheduler
 from gateway.session_store import RedisStore
 from gateway.store_relay import Inbound
@@ -55,34 +54,14 @@ from gateway.wire import (
     close_socket,
     forget_handshake,
 )
-from sessions import snapshot
 from sessions.core import Dialect, Session, SessionConfig, SessionLimits
 from sessions.outbox import Framing, Outbox, ReplayBudget
-from sessions.realtime import RealtimeDialect, RealtimeFraming, resumed_event
+from sessions.realtime import RealtimeDialect, RealtimeFraming
 from sessions.response_store import ResponseStore
-from sessions.responses import ResponsesDialect, ResponsesFraming
+from sessions.responses import ResponsesDialect
 
 log = logging.getLogger(__name__)
 
-# Where a GET with "Upgrade: websocket" becomes a WebSocket (each also with a trailing
-# slash); anywhere else it is answered 404. The handshake rules (_refuse_handshake) and
-# the session (_handle) are the same on every one; the path picks the dialect.
-REALTIME_PATH = "/v1/realtime"
-RESPONSES_PATH = "/v1/responses"
-WEBSOCKET_PATHS = (REALTIME_PATH, RESPONSES_PATH)
-# The Responses WebSocket's resume (docs/protocol.md, "Resuming"): the upgrade's response
-# names the session and its token; a new upgrade that sends them back, with the last
-# sequence_number the client processed, continues that session.
-SESSION_HEADER = "x-session-id"
-RESUME_TOKEN_HEADER = "x-resume-token"
-LAST_SEQUENCE_HEADER = "x-last-sequence-number"
-CLIENT_SECRETS_PATHS = ("/v1/realtime/client_secrets", "/v1/realtime/client_secrets/")
-PAGE_CONFIG_PATH = "/page-config.json"
-KEY_SUBPROTOCOL = "openai-insecure-api-key."
-# Headers that carry credentials: each at most once, and ASCII (a key is ASCII, and a
-# browser sends an Origin in its ASCII serialization).
-_SINGLE_HEADERS = ("Origin", "Authorization")
-_ASCII_HEADERS = ("Origin", "Authorization", "Sec-WebSocket-Protocol")
 LISTEN_BACKLOG = 1024  # the kernel caps it at net.core.somaxconn
 
 
@@ -117,17 +96,14 @@ class Gateway:
         self._relay_server: Server | None = None  # --workers: resumes other workers relay
         self._wires: set[SocketWire] = set()  # attached to a session's outbox
         self._limits = SessionLimits(max_parallel_out_of_band=config.max_parallel_per_session)
-        self.credentials = auth.Credentials(
-            config.api_keys, max_secret_ttl=config.client_secret_ttl
+        self.admission = Admission(
+            auth.Credentials(config.api_keys, max_secret_ttl=config.client_secret_ttl),
+            config.allowed_origins,
         )
         self.pending = Pending(config.max_handshakes, on_drop=self._handshake_dropped)
         self._session_defaults = self._describe_sessions()
         self.response_store = ResponseStore(config.response_store_bytes, config.response_store_ttl)
-        # Responses upgrades, by connection, until their handler takes them: the fresh
-        # session's id and token, or the session to resume (see _process_response).
-        self._upgrades: weakref.WeakKeyDictionary[ServerConnection, _Upgrade] = (
-            weakref.WeakKeyDictionary()
-        )
+        self.resumes = Resumes(self)
         self.responses_http = ResponsesHttp(self)
         self.store: RedisStore | None = None
         self.persistence: Persistence | None = None
@@ -151,6 +127,14 @@ class Gateway:
     def sessions(self) -> ValuesView[Session]:
         """Every session: connected, or detached and waiting for a resume."""
         return self._sessions_by_id.values()
+
+    def session(self, session_id: str) -> Session | None:
+        return self._sessions_by_id.get(session_id)
+
+    @property
+    def ready(self) -> bool:
+        """Taking new work: the engine is up and no drain or shutdown has begun."""
+        return self.engine.ready and not self._draining and not self._stopping
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -202,7 +186,7 @@ class Gateway:
             )
         if self.store is not None:
             await self.store.start()
-            self._inbound = Inbound(self.store, self._sessions_by_id.get, self.config.resume_window)
+            self._inbound = Inbound(self.store, self.session, self.config.resume_window)
             self._inbound.start()
         loop = asyncio.get_running_loop()
         self._engine_task = loop.create_task(self._start_engine())
@@ -238,6 +222,11 @@ class Gateway:
             frequency_penalty=engine.default_sampling.frequency_penalty,
             presence_penalty=engine.default_sampling.presence_penalty,
         )
+
+    @property
+    def session_defaults(self) -> SessionConfig:
+        """What a new session starts with: the engine's and the command line's defaults."""
+        return self._session_defaults
 
     @property
     def model(self) -> str:
@@ -370,7 +359,7 @@ class Gateway:
             "tls": tls.describe(self.config.tls) if self._tls and self.config.tls else None,
         }
 
-    def _render_metrics(self) -> bytes:
+    def render_metrics(self) -> bytes:
         # Frames and bytes are counted per session (a few additions on the hot path, no
         # call); the gateway's totals are summed here, at scrape time.
         frames, delta_frames, sent = self._ended_traffic
@@ -386,142 +375,25 @@ class Gateway:
         return m.render()
 
     def _routes(self) -> Router:
-        """Every plain HTTP route (gateway/router.py says how to add one)."""
-        router = Router(self._not_found)
-        router.add("GET", "/healthz", self._healthz)
-        router.add("GET", "/readyz", self._readyz)
-        router.add("GET", "/metrics", self._metrics)
-        router.add("GET", PAGE_CONFIG_PATH, self._page_config)
-        router.add("GET", "/", self._page)
-        router.add("GET", "/static/{name}", self._page)
-        for path in WEBSOCKET_PATHS:  # a GET that is no upgrade (an upgrade never gets here)
-            router.add("GET", path, self._websocket_only)
-            router.add("GET", path + "/", self._websocket_only)
-        for path in CLIENT_SECRETS_PATHS:
-            router.add("POST", path, self._mint_client_secret)
-            router.add("*", path, self._mint_with_post)
-        self.responses_http.register(router)
-        return router
-
-    async def _healthz(self, request: HttpRequest, reply: HttpReply) -> None:
-        # Where this client reaches each endpoint, in the scheme this port speaks.
-        host = request.headers.get("Host") or f"{self.config.host}:{self.port}"
-        ws = "wss" if self._tls is not None else "ws"
-        urls = {
-            "page": f"{self.scheme}://{host}/",
-            "realtime": f"{ws}://{host}{REALTIME_PATH}",
-            "responses": f"{ws}://{host}{RESPONSES_PATH}",
-            "http": f"{self.scheme}://{host}/v1",
-        }
-        reply.send_json(200, {**self.health(), "urls": urls})
-
-    async def _readyz(self, request: HttpRequest, reply: HttpReply) -> None:
-        ready = self.engine.ready and not self._draining
-        reply.send_json(200 if ready else 503, {"ready": ready})
-
-    async def _metrics(self, request: HttpRequest, reply: HttpReply) -> None:
-        reply.send(200, self._render_metrics(), "text/plain; version=0.0.4; charset=utf-8")
-
-    async def _page_config(self, request: HttpRequest, reply: HttpReply) -> None:
-        reply.send_json(200, {"client_secret_url": self.config.client_secret_url})
-
-    async def _page(self, request: HttpRequest, reply: HttpReply) -> None:
-        found = static.page(request.params.get("name", "index.html"))
-        if found is None:
-            await self._not_found(request, reply)
-            return
-        body, content_type = found
-        reply.send(200, body, content_type, static.PAGE_HEADERS)
-
-    async def _websocket_only(self, request: HttpRequest, reply: HttpReply) -> None:
-        name = "Realtime" if request.path.rstrip("/") == REALTIME_PATH else "Responses"
-        reply.send_text(
-            426,
-            f"This is the {name} WebSocket endpoint: connect with a WebSocket client.",
-            {"Upgrade": "websocket"},
-        )
-
-    async def _not_found(self, request: HttpRequest, reply: HttpReply) -> None:
-        if request.method in ("GET", "HEAD"):
-            reply.send_text(
-                404, f"Not found: {request.path}. The WebSocket is at {WEBSOCKET_PATHS[0]}."
-            )
-        else:
-            reply.send_text(405, f"{request.method} is not served here.", {"Allow": "GET, HEAD"})
-
-    async def _mint_with_post(self, request: HttpRequest, reply: HttpReply) -> None:
-        _api_error(reply, 405, "Mint a client secret with POST.", "method_not_allowed")
-
-    async def _mint_client_secret(self, request: HttpRequest, reply: HttpReply) -> None:
-        """``POST /v1/realtime/client_secrets``: the hosted Realtime API's shape."""
-        malformed = _malformed_credentials(request.headers)
-        if malformed is not None:
-            _api_error(reply, 400, malformed, "invalid_header")
-            return
-        origin = request.headers.get("Origin")
-        allowed = self.config.allowed_origins
-        if allowed and origin is not None and origin not in allowed:
-            _api_error(reply, 403, f"Origin {origin} is not allowed.", "origin_not_allowed")
-            return
-        offered = _bearer(request.headers)
-        api_key = self.credentials.is_api_key(offered)
-        if self.credentials.required and api_key is None:
-            message = (
-                "A client secret cannot mint client secrets: use an API key."
-                if offered.startswith(auth.SECRET_PREFIX)
-                else "Missing or wrong API key: send 'Authorization: Bearer KEY'."
-            )
-            _api_error(reply, 401, message, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
-            return
-        try:
-            ttl = auth.parse_secret_request(request.body)
-        except auth.SecretRequestError as err:
-            _api_error(reply, 400, err.message, err.code, param=err.param)
-            return
-        secret = self.credentials.mint(api_key, ttl)
-        defaults = self._session_defaults
-        session = {
-            "object": "realtime.session",
-            "type": "realtime",
-            "model": defaults.model,
-            "instructions": defaults.instructions,
-            "output_modalities": ["text"],
-        }
-        reply.send_json(
-            200, {"value": secret.value, "expires_at": secret.expires_at, "session": session}
-        )
+        return routes.router(self)
 
     # -- the WebSocket handshake (websockets calls these for upgrades only) -------------
 
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         try:
-            refused = self._refuse_handshake(request.headers)
+            refused = self._refuse_handshake(request)
         except Exception:
             # Logged here: websockets would log it only at DEBUG (see __main__).
             log.exception("failed to answer GET %s", request.path)
             return refusal(500, "The gateway failed to answer; its log says why.")
-        if refused is None and request.path.partition("?")[0].rstrip("/") == RESPONSES_PATH:
-            refused = self._check_resume_headers(request)
         if refused is not None:
             self.metrics.connections_refused.labels(status=str(refused.status_code)).inc()
         return refused
 
-    def _refuse_handshake(self, headers: Headers) -> Response | None:
-        malformed = _malformed_credentials(headers)
-        if malformed is not None:
-            return refusal(400, malformed)
-        origin = headers.get("Origin")
-        allowed = self.config.allowed_origins
-        if allowed and origin is not None and origin not in allowed:
-            return refusal(403, f"Origin {origin} is not allowed.")
-        if self.credentials.required and not self._authorized(headers):
-            return refusal(
-                401,
-                "Missing, wrong or expired credential: send 'Authorization: Bearer KEY' or the "
-                "subprotocol 'openai-insecure-api-key.KEY', where KEY is an API key or a "
-                "client secret (ek_...) that has not expired.",
-                {"WWW-Authenticate": "Bearer"},
-            )
+    def _refuse_handshake(self, request: Request) -> Response | None:
+        refused = self.admission.refuse(request.headers, Entry.WEBSOCKET)
+        if refused is not None:
+            return refusal(refused.status, refused.message, refused.headers)
         limit = self.config.max_sessions
         if limit is not None and len(self._wires) + len(self._detached) >= limit:
             return refusal(503, f"Too many sessions (limit {limit}); retry later.")
@@ -531,72 +403,18 @@ class Gateway:
             return refusal(
                 503, "The engine is not ready (loading, or no replica is up); retry shortly."
             )
+        if is_responses_upgrade(request):
+            return self.resumes.refuse_upgrade(request)
         return None
-
-    def _authorized(self, headers: Headers) -> bool:
-        """Does the Bearer header or a key subprotocol hold a key or a live client secret?"""
-        offered = [_bearer(headers)]
-        for header in headers.get_all("Sec-WebSocket-Protocol"):
-            offered += [
-                p.strip()[len(KEY_SUBPROTOCOL) :]
-                for p in header.split(",")
-                if p.strip().startswith(KEY_SUBPROTOCOL)
-            ]
-        return any(self.credentials.admits(o) for o in offered if o)
 
     def _handshake_dropped(self, reason: str) -> None:
         self.metrics.handshakes_dropped.labels(reason=reason).inc()
 
-    # -- the Responses WebSocket's session headers --------------------------------
-
-    def _check_resume_headers(self, request: Request) -> Response | None:
-        """A resume asked for that cannot be served: refused before the upgrade (the
-        client then knows it lost the session, and starts a new one)."""
-        asked = _resume_fields(request)
-        if asked is None:
-            return None
-        code = self._resumable(asked)
-        if isinstance(code, str) and code != "in_store":
-            self.metrics.resumes.labels(outcome=code).inc()
-            return refusal(404 if code == "session_not_found" else 409, _RESUME_ERRORS[code])
-        return None
-
-    def _resumable(self, asked: tuple[str, str, str]) -> str | tuple[Session, str, int]:
-        """The session a resume names, its token and last number; else why not."""
-        session_id, token, last = asked
-        session = self._sessions_by_id.get(session_id)
-        if self.config.resume_window <= 0:
-            return "session_not_found"
-        if not re.fullmatch(r"-1|\d{1,15}", last):
-            return "resume_gap"
-        if session is None and self.persistence is not None:
-            return "in_store"  # decided once the socket is open (it takes Redis)
-        if session is None or not isinstance(session.dialect, ResponsesDialect):
-            return "session_not_found"
-        code = session.can_resume(token, int(last))
-        return code if code is not None else (session, token, int(last))
-
     def _process_response(
         self, connection: ServerConnection, request: Request, response: Response
     ) -> Response | None:
-        """Name the session of a Responses upgrade in its answer: a fresh one, or the one
-        the request resumes."""
-        if (
-            response.status_code != 101
-            or request.path.partition("?")[0].rstrip("/") != RESPONSES_PATH
-        ):
-            return None
-        asked = _resume_fields(request)
-        found = self._resumable(asked) if asked is not None else None
-        if isinstance(found, tuple):
-            upgrade = _Upgrade(found[0].id, found[1], found[0], found[2])
-        elif found == "in_store" and asked is not None:
-            upgrade = _Upgrade(asked[0], asked[1], None, int(asked[2]), in_store=True)
-        else:
-            upgrade = _Upgrade(self._new_session_id(), secrets.token_urlsafe(24))
-        self._upgrades[connection] = upgrade
-        response.headers[SESSION_HEADER] = upgrade.session_id
-        response.headers[RESUME_TOKEN_HEADER] = upgrade.token
+        if response.status_code == 101 and is_responses_upgrade(request):
+            self.resumes.name_upgrade(connection, request, response)
         return None
 
     # -- WebSocket ---------------------------------------------------------------
@@ -612,30 +430,22 @@ class Gateway:
             await close_socket(ws, 1013, "too many sessions")
             return
         cap_kernel_send_buffer(ws)
-        upgrade = self._upgrades.pop(ws, None)
+        upgrade = self.resumes.take_upgrade(ws)
         forget_handshake(ws)
         wire = SocketWire(ws, self.store)
         self._wires.add(wire)
         session: Session | None
         if upgrade is None:
-            session = self._open_session(RealtimeDialect(), RealtimeFraming())
+            session = self.open_session(RealtimeDialect(), RealtimeFraming())
             session.outbox.attach(wire)
-        elif upgrade.in_store:
-            found = await self._from_store(
-                upgrade.session_id, upgrade.token, upgrade.last_sequence_number, ws, wire, None
-            )
+        else:
+            found = await self.resumes.responses_session(upgrade, ws, wire)
             if not isinstance(found, Session):
                 self._wires.discard(wire)
                 if found is not None:
                     await close_socket(ws, 4004, found)
-                return
+                return  # None: relayed to its owner, and that has ended
             session = found
-        else:
-            session = self._responses_session(upgrade, wire)
-            if session is None:
-                self._wires.discard(wire)
-                await close_socket(ws, 4004, "session_not_found")
-                return
         max_age = self.config.responses_max_age
         expiry = None
         if upgrade is not None and max_age > 0:
@@ -648,27 +458,6 @@ class Gateway:
             self._wires.discard(wire)
             if session is not None:
                 await self._let_go(ws, wire, session)
-
-    def _responses_session(self, upgrade: _Upgrade, wire: SocketWire) -> Session | None:
-        """The session a Responses upgrade named: fresh, or resumed (None: it went away
-        between the upgrade's answer and now)."""
-        if upgrade.resume is None:
-            session = self._open_session(
-                ResponsesDialect(self.response_store),
-                ResponsesFraming(),
-                upgrade.session_id,
-                upgrade.token,
-            )
-            session.outbox.attach(wire)
-            return session
-        target = upgrade.resume
-        code = target.resume(upgrade.token, upgrade.last_sequence_number, wire, rotate=False)
-        self.metrics.resumes.labels(outcome=code or "resumed").inc()
-        if code is not None:
-            return None
-        self._set_detached(target, False)
-        log.info("session %s resumed after event %d", target.id, upgrade.last_sequence_number)
-        return target
 
     @staticmethod
     def _expire(session: Session) -> None:
@@ -690,10 +479,10 @@ class Gateway:
                 async with asyncio.timeout(relay.CONNECT_TIMEOUT):
                     event = protocol.decode(await ws.recv())
                 if isinstance(event, protocol.SessionResume):
-                    taken = self._take_over(event, wire)
+                    taken = self.resumes.take_over(event, wire)
                     if isinstance(taken, str):  # the other worker tells its client why
-                        refusal = protocol.ProtocolError(taken, _RESUME_ERRORS[taken])
-                        await ws.send(protocol.encode(protocol.error_event(refusal)), text=True)
+                        error = protocol.ProtocolError(taken, RESUME_ERRORS[taken])
+                        await ws.send(protocol.encode(protocol.error_event(error)), text=True)
                     else:
                         session = taken
             if session is None:
@@ -706,13 +495,13 @@ class Gateway:
             if session is not None:
                 await self._let_go(ws, wire, session)
 
-    def _new_session_id(self) -> str:
+    def new_session_id(self) -> str:
         # The worker that holds a session is in its id: a resume landing on another
         # worker is relayed there (gateway/relay.py).
         c = self.config
         return protocol.new_id(f"sess_{relay.owner_tag(c.node, c.worker)}")
 
-    def _open_session(
+    def open_session(
         self,
         dialect: Dialect,
         framing: Framing,
@@ -730,7 +519,7 @@ class Gateway:
             config=self._session_defaults,
             limits=self._limits,
             metrics=self.metrics,
-            session_id=session_id or self._new_session_id(),
+            session_id=session_id or self.new_session_id(),
             resume_token=resume_token,
         )
         self.register(session)
@@ -762,36 +551,16 @@ class Gateway:
         self._session_tasks.add(task)
         task.add_done_callback(self._session_tasks.discard)
 
-    def open_http_session(self, dialect: Dialect, framing: Framing, replay_bytes: int) -> Session:
-        """A session for one HTTP request's response (gateway/responses_http.py)."""
-        return self._open_session(dialect, framing, replay_bytes=replay_bytes)
-
-    def refuse_http(
-        self, headers: Headers, *, need_engine: bool = True
-    ) -> tuple[int, protocol.ProtocolError, dict[str, str] | None] | None:
+    def refuse_http(self, headers: Headers, *, need_engine: bool = True) -> Refusal | None:
         """Why an API request over plain HTTP may not be served (the WebSocket handshake's
-        rules, as JSON errors): (status, error, headers), or None."""
-
-        def no(
-            status: int, code: str, message: str, extra: dict[str, str] | None = None
-        ) -> tuple[int, protocol.ProtocolError, dict[str, str] | None]:
-            kind = "invalid_request_error" if status < 500 else "server_error"
-            return status, protocol.ProtocolError(code, message, error_type=kind), extra
-
-        malformed = _malformed_credentials(headers)
-        if malformed is not None:
-            return no(400, "invalid_header", malformed)
-        origin = headers.get("Origin")
-        allowed = self.config.allowed_origins
-        if allowed and origin is not None and origin not in allowed:
-            return no(403, "origin_not_allowed", f"Origin {origin} is not allowed.")
-        if self.credentials.required and not self.credentials.admits(_bearer(headers)):
-            message = "Missing, wrong or expired key: send 'Authorization: Bearer KEY'."
-            return no(401, "invalid_api_key", message, {"WWW-Authenticate": "Bearer"})
-        if need_engine and (self._stopping or self._draining or not self.engine.ready):
+        rules, as JSON errors), or None."""
+        refused = self.admission.refuse(headers, Entry.HTTP)
+        if refused is None and need_engine and not self.ready:
             message = "The engine is not ready (loading, stopping, or no replica is up)."
-            return no(503, "engine_unavailable", message + " Retry shortly.", {"Retry-After": "1"})
-        return None
+            refused = Refusal(
+                503, "engine_unavailable", message + " Retry shortly.", {"Retry-After": "1"}
+            )
+        return refused
 
     async def _live(self, session: Session) -> None:
         try:
@@ -810,7 +579,7 @@ class Gateway:
                 sent + stats.bytes_out,
             )
             self.metrics.sessions.dec()
-            self._set_detached(session, False)
+            self.set_detached(session, False)
 
     async def _let_go(self, ws: ServerConnection, wire: SocketWire, session: Session) -> None:
         """The connection is over. A client that closed it (a close frame: a closed tab)
@@ -829,7 +598,7 @@ class Gateway:
             )
             if keep:
                 session.detach(self.config.resume_window)
-                self._set_detached(session, True)
+                self.set_detached(session, True)
                 if self.store is not None:
                     # Numbered and logged meanwhile: a resume may come to another process.
                     session.outbox.attach(NullWire())
@@ -874,7 +643,7 @@ class Gateway:
                 except protocol.ProtocolError as err:
                     event = err
                 if isinstance(event, protocol.SessionResume):
-                    resumed = await self._resume(event, ws, wire, session, first)
+                    resumed = await self.resumes.resume(event, ws, wire, session, first)
                     if resumed is None:
                         return None
                     session = resumed
@@ -888,225 +657,12 @@ class Gateway:
                 first = False
         return session
 
-    async def _resume(
-        self,
-        event: protocol.SessionResume,
-        ws: ServerConnection,
-        wire: SocketWire,
-        fresh: Session,
-        first: bool,
-    ) -> Session | None:
-        """Take over the session ``event`` names (here, or relayed to the worker holding
-        it: then None once that relay has ended), or tell why not and go on with ``fresh``."""
-        if not first:
-            await fresh.deliver(
-                protocol.ProtocolError(
-                    "invalid_event",
-                    "session.resume must be the first event on a new connection.",
-                    event_id=event.event_id,
-                )
-            )
-            return fresh
-        c = self.config
-        if (
-            self.persistence is not None
-            and c.resume_window > 0
-            and event.session_id not in self._sessions_by_id
-        ):
-            return await self._resume_from_store(event, ws, wire, fresh)
-        owner = relay.owner_of(event.session_id)
-        if (
-            c.worker_dir is not None
-            and self.store is None  # with a store, the store relays (gateway/store_relay.py)
-            and c.resume_window > 0
-            and owner is not None
-            and owner != relay.owner_tag(c.node, c.worker)
-            and owner == relay.owner_tag(c.node, relay.worker_of(owner))  # this host's
-        ):
-            opened = await relay.open_leg(c.worker_dir, relay.worker_of(owner), event)
-            if opened is not None and opened[1].get("type") == "session.resumed":
-                leg, answer = opened
-                self._discard_fresh(fresh, wire)
-                await wire.write_later(protocol.encode(answer))
-                await relay.pipe(ws, wire, leg)
-                # The owner's close code (1001, 4001...) must reach the client before
-                # this handler returns and websockets closes with 1000 on its own.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(CLOSE_TIMEOUT + 0.5):
-                        await wire.closed()
-                return None
-            if opened is not None:
-                await opened[0].close()
-            code = opened[1].get("error", {}).get("code") if opened is not None else None
-            return await self._refuse_resume(event, fresh, code or "session_not_found")
-        if event.session_id == fresh.id:  # the session this connection already has
-            return await self._refuse_resume(event, fresh, "session_not_found")
-        target = self._take_over(event, wire)
-        if isinstance(target, str):
-            return await self._refuse_resume(event, fresh, target)
-        self._discard_fresh(fresh, wire)
-        return target
-
-    async def _resume_from_store(
-        self,
-        event: protocol.SessionResume,
-        ws: ServerConnection,
-        wire: SocketWire,
-        fresh: Session,
-    ) -> Session | None:
-        """A Realtime resume of a session another process holds (or held): relayed while
-        its owner lives, else taken over (gateway/persistence.py)."""
-        found = await self._from_store(
-            event.session_id, event.resume_token, event.last_sequence_number, ws, wire, fresh
-        )
-        if isinstance(found, str):
-            return await self._refuse_resume(event, fresh, found)
-        return found
-
-    async def _from_store(
-        self,
-        session_id: str,
-        token: str,
-        last: int,
-        ws: ServerConnection,
-        wire: SocketWire,
-        fresh: Session | None,
-    ) -> Session | str | None:
-        """The session from the store on ``wire``: taken over (returned), relayed (None,
-        once the relay has ended) or an error code."""
-        persistence, store = self.persistence, self.store
-        assert persistence is not None and store is not None
-        loaded = await persistence.load(session_id, token)
-        if isinstance(loaded, str):
-            self.metrics.resumes.labels(outcome=loaded).inc()
-            return loaded
-        if loaded.owner is not None and loaded.owner != store.process:
-            if store_relay.gap(loaded, last):
-                return "resume_gap"
-            if fresh is not None:
-                self._discard_fresh(fresh, wire)
-            greeting = None
-            if loaded.state["dialect"] == "realtime":
-                config = snapshot.config_from(loaded.state["config"])
-                greeting = resumed_event(session_id, config, token)
-            self.metrics.resumes.labels(outcome="relayed").inc()
-            await store_relay.relay(ws, wire, store, loaded, last, greeting)
-            return None
-        taken = await persistence.take_over(loaded, token, last, wire)
-        self.metrics.resumes.labels(outcome=taken if isinstance(taken, str) else "resumed").inc()
-        if isinstance(taken, Session) and fresh is not None:
-            self._discard_fresh(fresh, wire)
-        return taken
-
-    def _take_over(self, event: protocol.SessionResume, wire: SocketWire) -> Session | str:
-        """Attach ``wire`` to the session ``event`` names, if its token and replay buffer
-        allow; else the error code that says why not."""
-        target = self._sessions_by_id.get(event.session_id)
-        code = (
-            target.resume(event.resume_token, event.last_sequence_number, wire)
-            if target is not None and self.config.resume_window > 0
-            else "session_not_found"
-        )
-        self.metrics.resumes.labels(outcome=code or "resumed").inc()
-        if code is not None or target is None:
-            return code or "session_not_found"
-        self._set_detached(target, False)
-        log.info("session %s resumed after event %d", target.id, event.last_sequence_number)
-        return target
-
-    async def _refuse_resume(
-        self, event: protocol.SessionResume, fresh: Session, code: str
-    ) -> Session:
-        error = protocol.ProtocolError(code, _RESUME_ERRORS[code], event_id=event.event_id)
-        await fresh.deliver(error)
-        return fresh
-
-    def _discard_fresh(self, fresh: Session, wire: SocketWire) -> None:
-        """The session the connection started with goes, quietly: the socket belongs to
-        the resumed one now."""
-        fresh.outbox.detach(wire)
-        fresh.close("disconnected")
-
-    def _set_detached(self, session: Session, detached: bool) -> None:
+    def set_detached(self, session: Session, detached: bool) -> None:
         if detached:
             self._detached.add(session)
         else:
             self._detached.discard(session)
         self.metrics.detached.set(len(self._detached))
-
-
-@dataclass(frozen=True, slots=True)
-class _Upgrade:
-    """What a Responses upgrade's answer said: a fresh session's id and token, or the
-    session it resumes (with the token presented and the last number processed)."""
-
-    session_id: str
-    token: str
-    resume: Session | None = None
-    last_sequence_number: int = -1
-    in_store: bool = False  # a session another process holds or held
-
-
-_RESUME_ERRORS: dict[str, str] = {
-    "session_busy": "Another gateway is taking this session over right now; retry the resume.",
-    "session_not_found": "No session with that id and resume token can be resumed here "
-    "(unknown, ended, or its resume window is over); this connection goes on as a new session.",
-    "resume_gap": "Some events after last_sequence_number are no longer kept, so the session "
-    "cannot be resumed without losing them; this connection goes on as a new session.",
-}
-
-
-def _resume_fields(request: Request) -> tuple[str, str, str] | None:
-    """(session id, resume token, last sequence number) of a Responses resume: from the
-    headers (openai-python's reconnect hook sets headers) or else the query (openai-node's
-    sets only query parameters); None if the request asks for no resume."""
-    headers = request.headers
-    if SESSION_HEADER in headers:
-        return (
-            headers.get(SESSION_HEADER, ""),
-            headers.get(RESUME_TOKEN_HEADER, ""),
-            headers.get(LAST_SEQUENCE_HEADER, "-1").strip(),
-        )
-    query = urllib.parse.parse_qs(request.path.partition("?")[2])
-    if "resume_token" not in query:
-        return None
-    return (
-        query.get("session_id", [""])[0],
-        query["resume_token"][0],
-        query.get("last_sequence_number", ["-1"])[0].strip(),
-    )
-
-
-def _malformed_credentials(headers: Headers) -> str | None:
-    """Why the credential headers cannot be read (sent twice, not ASCII), or None."""
-    for name in _SINGLE_HEADERS:
-        if len(headers.get_all(name)) > 1:
-            return f"Send the {name} header once."
-    for name in _ASCII_HEADERS:
-        if not all(value.isascii() for value in headers.get_all(name)):
-            return f"The {name} header must be ASCII."
-    return None
-
-
-def _bearer(headers: Headers) -> str:
-    """The token of ``Authorization: Bearer TOKEN`` ("" if there is none)."""
-    scheme, _, token = headers.get("Authorization", "").strip().partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else ""
-
-
-def _api_error(
-    reply: HttpReply,
-    status: int,
-    message: str,
-    code: str,
-    extra: dict[str, str] | None = None,
-    *,
-    param: str | None = None,
-) -> None:
-    """An error in the OpenAI REST API's shape, which the SDK turns into its exceptions."""
-    error_type = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": error_type, "code": code, "param": param}}
-    reply.send_json(status, body, extra)
 
 
 def _select_subprotocol(

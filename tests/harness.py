@@ -107,6 +107,10 @@ class RawClient:
     @classmethod
     @asynccontextmanager
     async def connect(cls, url: str, **kwargs: Any) -> AsyncIterator[RawClient]:
+        # Unbounded: a test that closes with events left unread must not wait out the
+        # close timeout (websockets stops reading at max_queue, so its close frame would
+        # never be read). A test of a client that stops reading passes max_queue itself.
+        kwargs.setdefault("max_queue", None)
         async with ws_connect(url, open_timeout=TIMEOUT, **kwargs) as ws:
             client = cls(ws)
             created = await client.recv()

@@ -158,7 +158,7 @@ async def test_an_expired_or_forged_secret_gets_401() -> None:
                 await RawClient.connect(gw.ws_url, **subprotocol(credential)).__aenter__()
             assert refused.value.response.status_code == 401
         later = auth.Credentials(("sk-1",), clock=lambda: time.time() + 601)
-        gw.gateway.credentials = later  # the clock of a gateway ten minutes on
+        gw.gateway.admission.credentials = later  # the clock of a gateway ten minutes on
         with pytest.raises(InvalidStatus) as refused:
             await RawClient.connect(gw.ws_url, **subprotocol(secret)).__aenter__()
         assert refused.value.response.status_code == 401

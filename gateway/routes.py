@@ -1,0 +1,148 @@
+"""The plain HTTP routes of the gateway's port: health, readiness, metrics, the chat page,
+client secrets, and a word for a GET that should have been a WebSocket upgrade.
+
+The Responses API's routes are gateway/responses_http.py's; :func:`router` adds them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gateway import auth, static
+from gateway.admission import Entry, bearer
+from gateway.http1 import HttpReply, HttpRequest
+from gateway.router import Router
+
+if TYPE_CHECKING:
+    from gateway.server import Gateway
+
+# Where a GET with "Upgrade: websocket" becomes a WebSocket (each also with a trailing
+# slash); anywhere else it is answered 404. The path picks the dialect.
+REALTIME_PATH = "/v1/realtime"
+RESPONSES_PATH = "/v1/responses"
+WEBSOCKET_PATHS = (REALTIME_PATH, RESPONSES_PATH)
+CLIENT_SECRETS_PATHS = ("/v1/realtime/client_secrets", "/v1/realtime/client_secrets/")
+PAGE_CONFIG_PATH = "/page-config.json"
+
+
+def router(gateway: Gateway) -> Router:
+    """Every plain HTTP route (gateway/router.py says how to add one)."""
+    routes = _Routes(gateway)
+    router = Router(_not_found)
+    router.add("GET", "/healthz", routes.healthz)
+    router.add("GET", "/readyz", routes.readyz)
+    router.add("GET", "/metrics", routes.metrics)
+    router.add("GET", PAGE_CONFIG_PATH, routes.page_config)
+    router.add("GET", "/", _page)
+    router.add("GET", "/static/{name}", _page)
+    for path in WEBSOCKET_PATHS:  # a GET that is no upgrade (an upgrade never gets here)
+        router.add("GET", path, _websocket_only)
+        router.add("GET", path + "/", _websocket_only)
+    for path in CLIENT_SECRETS_PATHS:
+        router.add("POST", path, routes.mint_client_secret)
+        router.add("*", path, _mint_with_post)
+    gateway.responses_http.register(router)
+    return router
+
+
+class _Routes:
+    """The routes that read the gateway's state."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def healthz(self, request: HttpRequest, reply: HttpReply) -> None:
+        # Where this client reaches each endpoint, in the scheme this port speaks.
+        gw = self.gateway
+        host = request.headers.get("Host") or f"{gw.config.host}:{gw.port}"
+        ws = "wss" if gw.scheme == "https" else "ws"
+        urls = {
+            "page": f"{gw.scheme}://{host}/",
+            "realtime": f"{ws}://{host}{REALTIME_PATH}",
+            "responses": f"{ws}://{host}{RESPONSES_PATH}",
+            "http": f"{gw.scheme}://{host}/v1",
+        }
+        reply.send_json(200, {**gw.health(), "urls": urls})
+
+    async def readyz(self, request: HttpRequest, reply: HttpReply) -> None:
+        ready = self.gateway.ready
+        reply.send_json(200 if ready else 503, {"ready": ready})
+
+    async def metrics(self, request: HttpRequest, reply: HttpReply) -> None:
+        body = self.gateway.render_metrics()
+        reply.send(200, body, "text/plain; version=0.0.4; charset=utf-8")
+
+    async def page_config(self, request: HttpRequest, reply: HttpReply) -> None:
+        reply.send_json(200, {"client_secret_url": self.gateway.config.client_secret_url})
+
+    async def mint_client_secret(self, request: HttpRequest, reply: HttpReply) -> None:
+        """``POST /v1/realtime/client_secrets``: the hosted Realtime API's shape."""
+        gw = self.gateway
+        refused = gw.admission.refuse(request.headers, Entry.MINT)
+        if refused is not None:
+            api_error(reply, refused.status, refused.message, refused.code, refused.headers)
+            return
+        try:
+            ttl = auth.parse_secret_request(request.body)
+        except auth.SecretRequestError as err:
+            api_error(reply, 400, err.message, err.code, param=err.param)
+            return
+        credentials = gw.admission.credentials
+        secret = credentials.mint(credentials.is_api_key(bearer(request.headers)), ttl)
+        defaults = gw.session_defaults
+        session = {
+            "object": "realtime.session",
+            "type": "realtime",
+            "model": defaults.model,
+            "instructions": defaults.instructions,
+            "output_modalities": ["text"],
+        }
+        reply.send_json(
+            200, {"value": secret.value, "expires_at": secret.expires_at, "session": session}
+        )
+
+
+async def _page(request: HttpRequest, reply: HttpReply) -> None:
+    found = static.page(request.params.get("name", "index.html"))
+    if found is None:
+        await _not_found(request, reply)
+        return
+    body, content_type = found
+    reply.send(200, body, content_type, static.PAGE_HEADERS)
+
+
+async def _websocket_only(request: HttpRequest, reply: HttpReply) -> None:
+    name = "Realtime" if request.path.rstrip("/") == REALTIME_PATH else "Responses"
+    reply.send_text(
+        426,
+        f"This is the {name} WebSocket endpoint: connect with a WebSocket client.",
+        {"Upgrade": "websocket"},
+    )
+
+
+async def _not_found(request: HttpRequest, reply: HttpReply) -> None:
+    if request.method in ("GET", "HEAD"):
+        reply.send_text(
+            404, f"Not found: {request.path}. The WebSocket is at {WEBSOCKET_PATHS[0]}."
+        )
+    else:
+        reply.send_text(405, f"{request.method} is not served here.", {"Allow": "GET, HEAD"})
+
+
+async def _mint_with_post(request: HttpRequest, reply: HttpReply) -> None:
+    api_error(reply, 405, "Mint a client secret with POST.", "method_not_allowed")
+
+
+def api_error(
+    reply: HttpReply,
+    status: int,
+    message: str,
+    code: str,
+    extra: dict[str, str] | None = None,
+    *,
+    param: str | None = None,
+) -> None:
+    """An error in the OpenAI REST API's shape, which the SDK turns into its exceptions."""
+    error_type = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": error_type, "code": code, "param": param}}
+    reply.send_json(status, body, extra)
