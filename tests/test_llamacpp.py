@@ -806,10 +806,10 @@ async def test_e2e_the_bundled_defaults_keep_answers_from_looping(
     assert len(looping) <= 1, looping  # the bound: one answer in eight
     assert "Paris" in answers[0]
     # Plain greedy decoding (the old default: no DRY, no penalty) loops on the same questions
-    # (8 answers of 8 when measured; two pairs of them keep this part short).
+    # (8 answers of 8 when measured; one pair of them keeps this part short).
     engine.sampler, kept = LlamaSampler(), engine.sampler
     try:
-        greedy = await answers_to(gw, LOOPING_PAIRS[::3], frequency_penalty=None)
+        greedy = await answers_to(gw, LOOPING_PAIRS[-1:], frequency_penalty=None)
     finally:
         engine.sampler = kept
-    assert sum(map(loops, greedy)) >= 3, greedy
+    assert all(map(loops, greedy)), greedy
