@@ -7,13 +7,20 @@ same in a plain script, in a thread, or inside a running loop.
 
 Ctrl-C arrives as ``KeyboardInterrupt`` in the waiting (main) thread, never in the loop
 thread: the waiting call then cancels its coroutine and, during a stream, cancels the answer
-on the gateway before re-raising.
+on the gateway before re-raising. While a call waits, a SIGINT does not raise inside the
+wait: Python's handler would raise wherever the main thread is, and inside the lock of the
+future it waits on (between the lock's acquisition and the ``with`` block that releases it)
+it leaves that lock held for good; the loop thread then blocks on it and every later call
+waits forever (Ctrl-C froze ``python -m gateway.client`` that way). The wait's own handler
+cancels the future instead, and the call raises ``KeyboardInterrupt`` once it has returned.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import signal
 import threading
 import weakref
 from collections.abc import Coroutine, Iterator
@@ -71,14 +78,23 @@ class _LoopThread:
         if self._stopping or self.loop.is_closed():
             coro.close()
             raise ClientError("this chat is closed")
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result()
-        except BaseException:
-            # KeyboardInterrupt (or any exit) while waiting: the coroutine must not go on
-            # alone. cancel() is a no-op if it already finished.
-            future.cancel()
-            raise
+        with _interrupt_cancels() as interrupt:
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            interrupt.future = future
+            if interrupt.pressed:  # before the handler knew the future
+                future.cancel()
+            try:
+                result = _wait(future)
+            except BaseException:
+                # KeyboardInterrupt (or any exit) while waiting: the coroutine must not go
+                # on alone. cancel() is a no-op if it already finished.
+                future.cancel()
+                if interrupt.pressed:
+                    raise KeyboardInterrupt from None
+                raise
+        if interrupt.pressed:  # as it finished: the caller still hears of it
+            raise KeyboardInterrupt
+        return result
 
     def stop(self, last: Coroutine[Any, Any, Any] | None = None) -> None:
         """Run ``last`` (if given), stop the loop, and join the thread unless called on it.
@@ -149,6 +165,51 @@ class SyncStream:
 
 async def _next(stream: AsyncStream) -> str:
     return await stream.__anext__()
+
+
+class _Interrupt:
+    """What a SIGINT during a wait did: cancel the future waited on, and say so."""
+
+    __slots__ = ("future", "pressed")
+
+    def __init__(self) -> None:
+        self.future: concurrent.futures.Future[Any] | None = None
+        self.pressed = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.pressed = True
+        if self.future is not None:
+            self.future.cancel()  # its lock is an RLock: taking it here, on its holder, is safe
+
+
+def _wait(future: concurrent.futures.Future[T]) -> T:
+    """``future.result()``, looking again every so often: the SIGINT handler may cancel the
+    future between result()'s look at its state and its wait, whose wake-up is then missed."""
+    while True:
+        with contextlib.suppress(TimeoutError):
+            return future.result(timeout=_RECHECK_S)
+
+
+_RECHECK_S = 0.1
+
+
+@contextlib.contextmanager
+def _interrupt_cancels() -> Iterator[_Interrupt]:
+    """Within: a SIGINT cancels the wait instead of raising inside it (the module's
+    docstring says why). Only on the main thread, and only over Python's own handler: a
+    program (or a notebook's kernel) that handles SIGINT itself keeps its handler."""
+    interrupt = _Interrupt()
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield interrupt
+        return
+    signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield interrupt
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class SyncChat:
