@@ -10,7 +10,9 @@ from 0 per session, so a resumed connection gets exactly what it missed.
 
 Who owns what: the lanes, the turns waiting in them and the steering input belong
 to this object, which runs on the session actor's turn like the core; the response
-store is the gateway's, shared, and touched only on the event loop thread.
+store is the gateway's, shared, and touched only on the event loop thread. What a turn
+looks like (its ``Response`` object, its items' events, the steering events, its
+snapshot) is sessions/responses_turns.py's.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Protocol
 
 import orjson
@@ -29,16 +31,15 @@ from gateway.engines.base import (
     GenerationRequest,
     Message,
     SamplingParams,
-    Tool,
     ToolCallDelta,
-    ToolChoice,
 )
 from gateway.scheduler import Job, Outcome
-from sessions import snapshot
+from sessions import responses_turns as turns
 from sessions.conversation import Item, items_to_messages
 from sessions.core import CallState, ResponseSpec, ResponseState, Session, item_status
 from sessions.realtime import check_tool_choice, input_items
 from sessions.response_store import ResponseStore, StoredResponse
+from sessions.responses_turns import Lane, Turn
 
 MAX_IN_FLIGHT = 16
 MAX_LANES = 32
@@ -69,38 +70,6 @@ class ResponsesFraming:
 
     def delta(self, seq: int, ids: bytes, text: str) -> bytes:
         return _DELTA % (seq, ids, orjson.dumps(text))
-
-
-@dataclass(eq=False, slots=True)
-class _Turn:
-    """A turn's own data, beside the core's ResponseState (its ``spec.tag``)."""
-
-    body: rp.CreateBody
-    lane: _Lane
-    history: tuple[Item, ...]
-    input: tuple[Item, ...]
-    created_at: int
-    instructions: str | None
-    tools: tuple[Tool, ...]
-    tool_choice: ToolChoice
-    steers: list[tuple[str, rp.Steer]] = field(default_factory=list)  # accepted, queued
-
-
-@dataclass(eq=False, slots=True)
-class _Lane:
-    stream_id: str | None
-    affinity_key: str
-    waiting: deque[rp.CreateBody] = field(default_factory=deque)
-    running: ResponseState | None = None
-    warming: Job | None = None  # a generate: false turn's prefill
-    latest: StoredResponse | None = None
-    # Steering accepted while the latest response waits for tool output: prepended to
-    # the next create that continues it.
-    pending_steers: list[tuple[str, rp.Steer]] = field(default_factory=list)
-
-    @property
-    def busy(self) -> bool:
-        return self.running is not None or self.warming is not None
 
 
 class _Prefill:
@@ -146,8 +115,8 @@ class ResponsesDialect:
         self._core: Session | None = None
         self.store = store
         self.observer = observer
-        self._lanes: dict[str | None, _Lane] = {}
-        self._ready: deque[_Lane] = deque()  # lanes with a turn waiting for a slot
+        self._lanes: dict[str | None, Lane] = {}
+        self._ready: deque[Lane] = deque()  # lanes with a turn waiting for a slot
         self._waiting = 0
 
     @property
@@ -169,7 +138,7 @@ class ResponsesDialect:
                 for lane in self._lanes.values()
             ],
             "waiting": [
-                [lane.stream_id, [_body_json(body) for body in lane.waiting]]
+                [lane.stream_id, [turns.body_json(body) for body in lane.waiting]]
                 for lane in self._ready
                 if lane.waiting
             ],
@@ -183,7 +152,7 @@ class ResponsesDialect:
                 lane.latest = stored
         for stream_id, bodies in state.get("waiting", []):
             lane = self._lane(stream_id)
-            lane.waiting.extend(_body_from(b) for b in bodies)
+            lane.waiting.extend(turns.body_from(b) for b in bodies)
             self._waiting += len(bodies)
             self._ready.append(lane)
         if self._waiting:
@@ -192,44 +161,20 @@ class ResponsesDialect:
             self.core.call_soon(self._start_ready)
 
     def dump_tag(self, tag: object) -> Any:
-        assert isinstance(tag, _Turn)
-        body = {
-            k: getattr(tag.body, k)
-            for k in rp.CreateBody.__slots__
-            if k not in ("input", "tools") and getattr(tag.body, k) != p.UNSET
-        }
-        return {
-            "body": body,
-            "lane": tag.lane.stream_id,
-            "history": [snapshot.item_json(i) for i in tag.history],
-            "input": [snapshot.item_json(i) for i in tag.input],
-            "created_at": tag.created_at,
-            "instructions": tag.instructions,
-            "tools": [snapshot.tool_json(t) for t in tag.tools],
-            "tool_choice": tag.tool_choice,
-        }
+        assert isinstance(tag, Turn)
+        return turns.turn_json(tag)
 
     def load_tag(self, data: Any) -> object:
-        tools = tuple(snapshot.tool_from(t) for t in data["tools"])
-        return _Turn(
-            replace(rp.CreateBody(**data["body"]), tools=tools),
-            self._lane(data["lane"]),
-            tuple(snapshot.item_from(i) for i in data["history"]),
-            tuple(snapshot.item_from(i) for i in data["input"]),
-            data["created_at"],
-            data["instructions"],
-            tools,
-            data["tool_choice"],
-        )
+        return turns.turn_from(data, self._lane(data["lane"]))
 
     def response_continued(self, r: ResponseState) -> None:
         self._turn(r).lane.running = r
 
-    def _lane(self, stream_id: str | None) -> _Lane:
+    def _lane(self, stream_id: str | None) -> Lane:
         lane = self._lanes.get(stream_id)
         if lane is None:
             key = self.core.conversation_id + (f" {stream_id}" if stream_id else "")
-            lane = self._lanes[stream_id] = _Lane(stream_id, key)
+            lane = self._lanes[stream_id] = Lane(stream_id, key)
         return lane
 
     @property
@@ -310,7 +255,7 @@ class ResponsesDialect:
 
     def _start_ready(self) -> None:
         """Start waiting turns, oldest lane first, while a slot is free."""
-        skipped: deque[_Lane] = deque()
+        skipped: deque[Lane] = deque()
         while self._ready and self._in_flight() < MAX_IN_FLIGHT and not self.core.closing:
             lane = self._ready.popleft()
             if lane.busy or not lane.waiting:
@@ -327,12 +272,12 @@ class ResponsesDialect:
                     self._ready.append(lane)
         self._ready.extendleft(reversed(skipped))
 
-    def _lane_error(self, err: p.ProtocolError, lane: _Lane) -> None:
+    def _lane_error(self, err: p.ProtocolError, lane: Lane) -> None:
         if self.core.metrics is not None:
             self.core.metrics.errors.labels(code=err.code).inc()
         self.error(err, lane.stream_id)
 
-    def _history(self, lane: _Lane, body: rp.CreateBody) -> StoredResponse | None:
+    def _history(self, lane: Lane, body: rp.CreateBody) -> StoredResponse | None:
         """The response ``body`` continues: a lane's latest here, else the store's."""
         wanted = body.previous_response_id
         if wanted is None:
@@ -352,7 +297,7 @@ class ResponsesDialect:
         return stored
 
     def _start(
-        self, lane: _Lane, body: rp.CreateBody, steers: list[tuple[str, rp.Steer]] | None = None
+        self, lane: Lane, body: rp.CreateBody, steers: list[tuple[str, rp.Steer]] | None = None
     ) -> None:
         core, c = self.core, self.core.config
         previous = self._history(lane, body)
@@ -384,7 +329,7 @@ class ResponsesDialect:
             if body.presence_penalty == p.UNSET
             else body.presence_penalty,
         )
-        turn = _Turn(body, lane, history, items, int(time.time()), body.instructions, tools, choice)
+        turn = Turn(body, lane, history, items, int(time.time()), body.instructions, tools, choice)
         if not body.generate:
             self._prefill(lane, turn, messages, sampling)
             return
@@ -411,7 +356,7 @@ class ResponsesDialect:
     # -- generate: false -------------------------------------------------------------
 
     def _prefill(
-        self, lane: _Lane, turn: _Turn, messages: tuple[Message, ...], sampling: SamplingParams
+        self, lane: Lane, turn: Turn, messages: tuple[Message, ...], sampling: SamplingParams
     ) -> None:
         """Store the input as a response without output; prefill the lane's cache."""
         core = self.core
@@ -438,9 +383,7 @@ class ResponsesDialect:
         else:  # no slot to warm a cache with: the turn is stored all the same
             self._prefilled(lane, turn, response_id, None)
 
-    def _prefilled(
-        self, lane: _Lane, turn: _Turn, response_id: str, outcome: Outcome | None
-    ) -> None:
+    def _prefilled(self, lane: Lane, turn: Turn, response_id: str, outcome: Outcome | None) -> None:
         lane.warming = None
         usage = (
             None
@@ -456,11 +399,11 @@ class ResponsesDialect:
 
     # -- the core's reports ----------------------------------------------------------
 
-    def _turn(self, r: ResponseState) -> _Turn:
-        assert isinstance(r.spec.tag, _Turn)
+    def _turn(self, r: ResponseState) -> Turn:
+        assert isinstance(r.spec.tag, Turn)
         return r.spec.tag
 
-    def _put(self, lane: _Lane, event: p.JSON) -> None:
+    def _put(self, lane: Lane, event: p.JSON) -> None:
         if lane.stream_id is not None:
             event["stream_id"] = lane.stream_id
         self.core.outbox.put(event)
@@ -468,39 +411,17 @@ class ResponsesDialect:
     def _response_json(
         self,
         response_id: str,
-        turn: _Turn,
+        turn: Turn,
         status: str,
         output: list[p.JSON] | None = None,
         usage: p.JSON | None = None,
         incomplete: str | None = None,
         error: p.JSON | None = None,
     ) -> p.JSON:
-        body, c = turn.body, self.core.config
-        return {
-            "id": response_id,
-            "object": "response",
-            "created_at": turn.created_at,
-            "status": status,
-            "background": body.background,
-            "error": error,
-            "incomplete_details": None if incomplete is None else {"reason": incomplete},
-            "instructions": turn.instructions,
-            "max_output_tokens": None
-            if body.max_output_tokens == p.UNSET
-            else body.max_output_tokens,
-            "metadata": body.metadata or {},
-            "model": c.model,
-            "output": output or [],
-            "parallel_tool_calls": body.parallel_tool_calls,
-            "previous_response_id": body.previous_response_id,
-            "temperature": c.temperature if body.temperature == p.UNSET else body.temperature,
-            "text": {"format": {"type": "text"}},
-            "tool_choice": p.tool_choice_json(turn.tool_choice),
-            "tools": [{**t, "strict": False} for t in p.tools_json(turn.tools)],
-            "top_p": c.top_p if body.top_p == p.UNSET else body.top_p,
-            "truncation": body.truncation,
-            "usage": usage,
-        }
+        config = self.core.config
+        return turns.response_json(
+            response_id, turn, config, status, output, usage, incomplete, error
+        )
 
     def response_started(self, r: ResponseState) -> None:
         turn = self._turn(r)
@@ -514,56 +435,17 @@ class ResponsesDialect:
 
     def text_opened(self, r: ResponseState) -> None:
         lane = self._turn(r).lane
-        index = r.text_index
-        self._put(
-            lane,
-            {
-                "type": "response.output_item.added",
-                "output_index": index,
-                "item": rp.message_json(r.item_id, None, "in_progress"),
-            },
-        )
-        self._put(
-            lane,
-            {
-                "type": "response.content_part.added",
-                "item_id": r.item_id,
-                "output_index": index,
-                "content_index": 0,
-                "part": rp.text_part(""),
-            },
-        )
+        for event in turns.text_opened(r):
+            self._put(lane, event)
 
     def text_delta(self, r: ResponseState, text: str) -> None:
-        self._put(
-            self._turn(r).lane,
-            {
-                "type": "response.output_text.delta",
-                "item_id": r.item_id,
-                "output_index": r.text_index,
-                "content_index": 0,
-                "delta": text,
-                "logprobs": [],
-            },
-        )
+        self._put(self._turn(r).lane, turns.text_delta(r, text))
 
     def call_opened(self, r: ResponseState, call: CallState) -> None:
-        item = rp.function_call_json(call.item_id, call.call_id, call.name, "", "in_progress")
-        self._put(
-            self._turn(r).lane,
-            {"type": "response.output_item.added", "output_index": call.output_index, "item": item},
-        )
+        self._put(self._turn(r).lane, turns.call_opened(call))
 
     def call_delta(self, r: ResponseState, call: CallState, arguments: str) -> None:
-        self._put(
-            self._turn(r).lane,
-            {
-                "type": "response.function_call_arguments.delta",
-                "item_id": call.item_id,
-                "output_index": call.output_index,
-                "delta": arguments,
-            },
-        )
+        self._put(self._turn(r).lane, turns.call_delta(call, arguments))
 
     def response_ended(self, r: ResponseState, outcome: Outcome) -> None:
         turn = self._turn(r)
@@ -592,7 +474,7 @@ class ResponsesDialect:
         outputs.sort(key=lambda entry: entry[0])
         usage = outcome.usage
         usage_json = rp.usage_json(usage.input_tokens, usage.output_tokens, usage.cached_tokens)
-        kind, response_status, incomplete, error = self._ending(turn, outcome)
+        kind, response_status, incomplete, error = turns.ending(turn, outcome)
         body = self._response_json(
             r.id, turn, response_status, [o for _, o, _ in outputs], usage_json, incomplete, error
         )
@@ -606,59 +488,22 @@ class ResponsesDialect:
         self._settle_steers(lane, turn, r.id, response_status, calls)
         self._after_turn(lane)
 
-    def _ending(self, turn: _Turn, outcome: Outcome) -> tuple[str, str, str | None, p.JSON | None]:
-        """The terminal event's type, the response's status, incomplete reason, error."""
-        if outcome.status == "completed":
-            return "response.completed", "completed", None, None
-        if outcome.status == "incomplete":
-            return "response.incomplete", "incomplete", "max_output_tokens", None
-        if outcome.status == "cancelled":
-            if turn.steers:  # stopped by response.steer (the successor follows)
-                return "response.incomplete", "incomplete", "steered", None
-            # A cancelled response ends with response.incomplete, which every official
-            # client takes as a terminal event (docs/protocol.md).
-            return "response.incomplete", "cancelled", None, None
-        error = outcome.error
-        code = error.code if error is not None else "engine_error"
-        message = error.message if error is not None else "the engine failed"
-        return (
-            "response.failed",
-            "failed",
-            None,
-            {"code": _response_error_code(code), "message": message},
-        )
-
-    def _close_text(self, lane: _Lane, r: ResponseState, text: str, status: str) -> p.JSON:
-        ids = {"item_id": r.item_id, "output_index": r.text_index, "content_index": 0}
-        self._put(lane, {"type": "response.output_text.done", **ids, "text": text, "logprobs": []})
-        self._put(lane, {"type": "response.content_part.done", **ids, "part": rp.text_part(text)})
-        item = rp.message_json(r.item_id, text, status)
-        self._put(
-            lane, {"type": "response.output_item.done", "output_index": r.text_index, "item": item}
-        )
+    def _close_text(self, lane: Lane, r: ResponseState, text: str, status: str) -> p.JSON:
+        events, item = turns.text_closed(r, text, status)
+        for event in events:
+            self._put(lane, event)
         return item
 
-    def _close_call(self, lane: _Lane, call: CallState, status: str) -> p.JSON:
-        self._put(
-            lane,
-            {
-                "type": "response.function_call_arguments.done",
-                "item_id": call.item_id,
-                "output_index": call.output_index,
-                "arguments": call.arguments,
-            },
-        )
-        item = rp.function_call_json(call.item_id, call.call_id, call.name, call.arguments, status)
-        self._put(
-            lane,
-            {"type": "response.output_item.done", "output_index": call.output_index, "item": item},
-        )
+    def _close_call(self, lane: Lane, call: CallState, status: str) -> p.JSON:
+        events, item = turns.call_closed(call, status)
+        for event in events:
+            self._put(lane, event)
         return item
 
     def _remember(
         self,
-        lane: _Lane,
-        turn: _Turn,
+        lane: Lane,
+        turn: Turn,
         response_id: str,
         body: p.JSON,
         outputs: tuple[Item, ...],
@@ -671,7 +516,7 @@ class ResponsesDialect:
         if turn.body.store and self.store is not None:
             self.store.put(stored)
 
-    def _after_turn(self, lane: _Lane) -> None:
+    def _after_turn(self, lane: Lane) -> None:
         if lane.waiting:
             self._ready.appendleft(lane)
         self._start_ready()
@@ -710,13 +555,7 @@ class ResponsesDialect:
                 return
             steer_id = p.new_id(_STEERED)
             turn.steers.append((steer_id, steer))
-            self._put(
-                turn.lane,
-                {
-                    "type": "response.steer.accepted",
-                    "steer": {"id": steer_id, "previous_response_id": target.id},
-                },
-            )
+            self._put(turn.lane, turns.steer_accepted(steer_id, target.id))
             # Stopped at the next token boundary; response_ended starts the successor.
             self.core.cancel_response(target)
             return
@@ -735,15 +574,9 @@ class ResponsesDialect:
             and not lane.busy
         ):
             steer_id = p.new_id(_STEERED)
-            self._put(
-                lane,
-                {
-                    "type": "response.steer.accepted",
-                    "steer": {"id": steer_id, "previous_response_id": lane.latest.id},
-                },
-            )
+            self._put(lane, turns.steer_accepted(steer_id, lane.latest.id))
             lane.pending_steers.append((steer_id, steer))
-            self._put_pending(lane, steer_id, lane.latest)
+            self._put(lane, turns.steer_pending(steer_id, lane.latest))
             return
         if target is not None or lane is not None:
             self._steer_failed(
@@ -762,33 +595,10 @@ class ResponsesDialect:
             None,
         )
 
-    def _put_pending(self, lane: _Lane, steer_id: str, latest: StoredResponse) -> None:
-        required = [
-            {"type": "function_call_output", "call_id": call_id, "name": name}
-            for call_id, name in latest.pending_calls
-        ]
-        self._put(
-            lane,
-            {
-                "type": "response.steer.pending",
-                "reason": "waiting_for_required_input",
-                "required_input": required,
-                "steer": {"id": steer_id, "previous_response_id": latest.id},
-            },
-        )
-
     def _steer_failed(
-        self, steer: rp.Steer, steer_id: str | None, code: str, message: str, lane: _Lane | None
+        self, steer: rp.Steer, steer_id: str | None, code: str, message: str, lane: Lane | None
     ) -> None:
-        event: p.JSON = {
-            "type": "response.steer.failed",
-            "error": {"type": "invalid_request_error", "code": code, "message": message},
-            "steer": {
-                "input": steer.raw_input,
-                "previous_response_id": steer.previous_response_id,
-                **({"id": steer_id} if steer_id else {}),
-            },
-        }
+        event = turns.steer_failed(steer, steer_id, code, message)
         if lane is not None:
             self._put(lane, event)
         else:
@@ -796,8 +606,8 @@ class ResponsesDialect:
 
     def _settle_steers(
         self,
-        lane: _Lane,
-        turn: _Turn,
+        lane: Lane,
+        turn: Turn,
         response_id: str,
         status: str,
         calls: tuple[tuple[str, str], ...],
@@ -820,7 +630,7 @@ class ResponsesDialect:
             lane.pending_steers.extend(steers)
             assert lane.latest is not None
             for steer_id, _ in steers:
-                self._put_pending(lane, steer_id, lane.latest)
+                self._put(lane, turns.steer_pending(steer_id, lane.latest))
             return
         # The successor: the same settings, continuing this response with the input.
         successor = replace(turn.body, input=(), previous_response_id=response_id, generate=True)
@@ -832,41 +642,3 @@ class ResponsesDialect:
 
 
 _STEERED = "steer"
-
-
-def _response_error_code(code: str) -> str:
-    """A ``Response.error.code`` the official types know for an engine's error code."""
-    return (
-        "invalid_prompt"
-        if code in ("context_length_exceeded", "invalid_request")
-        else "server_error"
-    )
-
-
-_INPUT_KINDS: dict[str, type[rp.AnyInput]] = {
-    "message": p.ItemSpec,
-    "function_call": p.FunctionCallSpec,
-    "function_call_output": p.FunctionCallOutputSpec,
-}
-
-
-def _body_json(body: rp.CreateBody) -> dict[str, Any]:
-    """A waiting turn's create body as JSON (its fields that were set)."""
-    data: dict[str, Any] = {
-        k: getattr(body, k)
-        for k in rp.CreateBody.__slots__
-        if k not in ("input", "tools") and getattr(body, k) != p.UNSET
-    }
-    kinds = {v: k for k, v in _INPUT_KINDS.items()}
-    data["input"] = [[kinds[type(i)], asdict(i)] for i in body.input]
-    if isinstance(body.tools, tuple):
-        data["tools"] = [snapshot.tool_json(t) for t in body.tools]
-    return data
-
-
-def _body_from(data: dict[str, Any]) -> rp.CreateBody:
-    data = dict(data)
-    data["input"] = tuple(_INPUT_KINDS[kind](**fields) for kind, fields in data["input"])
-    if "tools" in data:
-        data["tools"] = tuple(snapshot.tool_from(t) for t in data["tools"])
-    return rp.CreateBody(**data)
