@@ -41,7 +41,7 @@ from gateway.__main__ import LOOPS, default_loop
 from gateway.engines.sim import answer_tokens
 
 MODEL = "sim"
-# The gateway's delta template (sessions/responses.py), the response id's item beside it.
+# The gateway's delta template (sessions/responses/dialect.py), the response id's item beside it.
 _DELTA = (
     b'{"type":"response.output_text.delta","sequence_number":%d,"item_id":"%b"'
     b',"output_index":0,"content_index":0,"logprobs":[],"delta":%b}'

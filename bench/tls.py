@@ -18,7 +18,7 @@ from typing import Any
 
 from bench.procs import gateway_argv, server_process
 from bench.turns import measure, realtime_turns, summary
-from gateway.tls import self_signed
+from gateway.transport.tls import self_signed
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -22,10 +22,12 @@ from typing import Any, NoReturn
 
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
-from gateway import auth, engines, tls
+from gateway import engines
+from gateway.api import auth
 from gateway.config import GatewayConfig
 from gateway.engines.base import EngineError, EngineUnavailableError
 from gateway.server import Gateway
+from gateway.transport import tls
 
 log = logging.getLogger("gateway")
 
@@ -533,9 +535,9 @@ def run_workers(args: argparse.Namespace, argv: Sequence[str]) -> int:
         index = list(argv).index("--workers")
         base = list(argv[:index]) + list(argv[index + 2 :])
     # The workers' relay sockets (a resume reaching the wrong worker is relayed to the
-    # right one: gateway/relay.py), in a directory only this user can open. Each worker
-    # runs on the loop this process chose (the last --loop wins), whatever its own
-    # environment would default to.
+    # right one: gateway/cluster/worker_relay.py), in a directory only this user can open.
+    # Each worker runs on the loop this process chose (the last --loop wins), whatever
+    # its own environment would default to.
     with tempfile.TemporaryDirectory(prefix="llm-gateway-") as worker_dir:
         command = [sys.executable, "-m", "gateway", *base, "--port", str(port)]
         command += ["--loop", args.loop, "--worker-dir", worker_dir]

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.tls import TlsFiles
+from gateway.transport.tls import TlsFiles
 
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8765
-    tls: TlsFiles | None = None  # None: plain http:// and ws:// (gateway/tls.py)
+    tls: TlsFiles | None = None  # None: plain http:// and ws:// (gateway/transport/tls.py)
     max_running: int | None = None  # None: the engine's own capacity
     max_queued: int = 256
     max_sessions: int | None = None
@@ -36,7 +36,7 @@ class GatewayConfig:
     node: str | None = None  # this host's name in session ids, for a load balancer's routing
     worker_dir: str | None = None  # with --workers: where the workers' relay sockets are
     reuse_port: bool = False
-    session_store: str = "memory"  # or redis://HOST:PORT/DB (gateway/session_store.py)
+    session_store: str = "memory"  # or redis://HOST:PORT/DB (gateway/cluster/redis_store.py)
     drain_timeout: float = 30.0  # with a store: seconds answers may finish at SIGTERM
     response_store_bytes: int = 64 << 20  # stored Responses responses (store: true), in all
     response_store_ttl: float = 3600.0  # seconds a stored response can be continued

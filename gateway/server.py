@@ -1,16 +1,16 @@
 """The network edge: one port for the WebSockets and the HTTP routes, and the sessions.
 
-gateway/http1.py reads every request on the port (h11) and answers the routes of
-gateway/routes.py; a WebSocket upgrade to one of ``WEBSOCKET_PATHS`` goes on to
+gateway/transport/http1.py reads every request on the port (h11) and answers the routes of
+gateway/api/routes.py; a WebSocket upgrade to one of ``WEBSOCKET_PATHS`` goes on to
 websockets, which calls :meth:`Gateway._process_request` (the handshake's checks:
-gateway/admission.py, and gateway/resumes.py for a Responses resume) and then
+gateway/api/admission.py, and gateway/cluster/resumes.py for a Responses resume) and then
 :meth:`Gateway._handle` with the open connection.
 
 Per connection two tasks run: this module's reader (frames -> decoded events
 -> the session's inbox) and the session actor (sessions/core.py, with its dialect), which may
 outlive the connection (a dropped one waits for a resume). The
 session's outbox (sessions/outbox.py) is the one path to the socket: it writes
-through a :class:`~gateway.wire.SocketWire`, straight from the caller's stack
+through a :class:`~gateway.transport.wire.SocketWire`, straight from the caller's stack
 while the socket has room, and through a writer task of its own only while the
 socket pushes back, so a slow client blocks nothing but its own outbox.
 """
@@ -31,22 +31,24 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
-from gateway import auth, protocol, relay, responses_protocol, routes, tls
-from gateway.admission import Admission, Entry, Refusal
+from gateway.api import auth, routes
+from gateway.api.admission import Admission, Entry, Refusal
+from gateway.api.responses_http import ResponsesHttp
+from gateway.api.routes import WEBSOCKET_PATHS
+from gateway.cluster import worker_relay as relay
+from gateway.cluster.persistence import Persistence, process_id
+from gateway.cluster.redis_store import RedisStore
+from gateway.cluster.resumes import RESUME_ERRORS, Resumes, is_responses_upgrade
+from gateway.cluster.store_relay import Inbound
 from gateway.config import GatewayConfig
 from gateway.engines.base import Engine, EngineError
-from gateway.handshake import Pending, refusal
-from gateway.http1 import HttpService
 from gateway.metrics import Metrics
-from gateway.persistence import Persistence, process_id
-from gateway.responses_http import ResponsesHttp
-from gateway.resumes import RESUME_ERRORS, Resumes, is_responses_upgrade
-from gateway.router import Router
-from gateway.routes import WEBSOCKET_PATHS
 from gateway.scheduler import Scheduler
-from gateway.session_store import RedisStore
-from gateway.store_relay import Inbound
-from gateway.wire import (
+from gateway.transport import tls
+from gateway.transport.head_timers import Pending, refusal
+from gateway.transport.http1 import HttpService
+from gateway.transport.router import Router
+from gateway.transport.wire import (
     CLOSE_TIMEOUT,
     NullWire,
     SocketWire,
@@ -54,11 +56,14 @@ from gateway.wire import (
     close_socket,
     forget_handshake,
 )
+from sessions import codec, errors
 from sessions.core import Dialect, Session, SessionConfig, SessionLimits
 from sessions.outbox import Framing, Outbox, ReplayBudget
-from sessions.realtime import RealtimeDialect, RealtimeFraming
+from sessions.realtime import codec as rt
+from sessions.realtime.dialect import RealtimeDialect, RealtimeFraming
 from sessions.response_store import ResponseStore
-from sessions.responses import ResponsesDialect
+from sessions.responses import codec as responses_protocol
+from sessions.responses.dialect import ResponsesDialect
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +156,7 @@ class Gateway:
         if self.config.tls is not None:
             self._tls = tls.server_context(self.config.tls)
         # websockets keeps the listening socket; every connection starts as the HTTP
-        # service's (gateway/http1.py), which hands WebSocket upgrades back to websockets.
+        # service's (gateway/transport/http1.py), which hands WebSocket upgrades back to websockets.
         self._server = await serve(
             self._handle,
             self.config.host,
@@ -466,8 +471,9 @@ class Gateway:
             session.call_soon(dialect.expire)
 
     async def _handle_relayed(self, ws: ServerConnection) -> None:
-        """A resume another worker received for a session of ours (gateway/relay.py): the
-        first event is that ``session.resume``; after it, as any connection."""
+        """A resume another worker received for a session of ours
+        (gateway/cluster/worker_relay.py): the first event is that ``session.resume``;
+        after it, as any connection."""
         if self._stopping:
             await close_socket(ws, 1001, "server shutting down")
             return
@@ -477,18 +483,18 @@ class Gateway:
         try:
             with contextlib.suppress(ConnectionClosed, TimeoutError):
                 async with asyncio.timeout(relay.CONNECT_TIMEOUT):
-                    event = protocol.decode(await ws.recv())
-                if isinstance(event, protocol.SessionResume):
+                    event = rt.decode(await ws.recv())
+                if isinstance(event, rt.SessionResume):
                     taken = self.resumes.take_over(event, wire)
                     if isinstance(taken, str):  # the other worker tells its client why
-                        error = protocol.ProtocolError(taken, RESUME_ERRORS[taken])
-                        await ws.send(protocol.encode(protocol.error_event(error)), text=True)
+                        error = errors.ProtocolError(taken, RESUME_ERRORS[taken])
+                        await ws.send(codec.encode(codec.error_event(error)), text=True)
                     else:
                         session = taken
             if session is None:
                 return
             session = await self._read(ws, wire, session, first=False)
-        except protocol.ProtocolError:
+        except errors.ProtocolError:
             return
         finally:
             self._wires.discard(wire)
@@ -497,9 +503,9 @@ class Gateway:
 
     def new_session_id(self) -> str:
         # The worker that holds a session is in its id: a resume landing on another
-        # worker is relayed there (gateway/relay.py).
+        # worker is relayed there (gateway/cluster/worker_relay.py).
         c = self.config
-        return protocol.new_id(f"sess_{relay.owner_tag(c.node, c.worker)}")
+        return codec.new_id(f"sess_{relay.owner_tag(c.node, c.worker)}")
 
     def open_session(
         self,
@@ -634,15 +640,15 @@ class Gateway:
         decode = (
             responses_protocol.decode
             if isinstance(session.dialect, ResponsesDialect)
-            else protocol.decode
+            else rt.decode
         )
         with contextlib.suppress(ConnectionClosed):
             async for frame in ws:
                 try:
                     event: object = decode(frame)
-                except protocol.ProtocolError as err:
+                except errors.ProtocolError as err:
                     event = err
-                if isinstance(event, protocol.SessionResume):
+                if isinstance(event, rt.SessionResume):
                     resumed = await self.resumes.resume(event, ws, wire, session, first)
                     if resumed is None:
                         return None

@@ -12,7 +12,6 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from gateway.engines.base import Message, Role, ToolCall
-from gateway.protocol import JSON, function_call_item, function_call_output_item, message_item
 
 ItemStatus = str  # "completed" | "incomplete" | "in_progress"
 ItemKind = Literal["message", "function_call", "function_call_output"]
@@ -40,15 +39,6 @@ class Item:
     @classmethod
     def function_call_output(cls, item_id: str, call_id: str, output: str) -> Item:
         return cls(item_id, "tool", output, "completed", "function_call_output", call_id)
-
-    def to_json(self) -> JSON:
-        if self.kind == "function_call":
-            return function_call_item(
-                self.id, self.call_id or "", self.name or "", self.text, self.status
-            )
-        if self.kind == "function_call_output":
-            return function_call_output_item(self.id, self.call_id or "", self.text)
-        return message_item(self.id, self.role, self.text, self.status)
 
 
 class DuplicateItemId(KeyError):

@@ -3,7 +3,7 @@
 The core knows no wire format. It owns the conversation, the responses in flight
 (their jobs in the scheduler, their output items, cancel), the inbox and its
 backpressure, and the session's life (close, detach, resume token). A *dialect*
-(sessions/realtime.py, sessions/responses.py) decodes client frames into commands,
+(sessions/realtime/dialect.py, sessions/responses/dialect.py) decodes client frames into commands,
 handles them against the core's operations, and encodes what the core reports
 (:class:`Dialect`'s hooks) into its protocol's events in the outbox.
 
@@ -31,7 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
 
-from gateway import protocol as p
 from gateway.engines.base import (
     EngineError,
     GenerationRequest,
@@ -44,6 +43,7 @@ from gateway.engines.base import (
 )
 from gateway.metrics import Metrics
 from gateway.scheduler import CancelReason, Job, Outcome, Scheduler
+from sessions import codec, errors
 from sessions.conversation import Conversation, Item
 from sessions.outbox import Outbox, Wire
 
@@ -151,7 +151,7 @@ class Dialect(Protocol):
     def handle(self, command: object) -> None:
         """A decoded client command; raises :class:`~gateway.protocol.ProtocolError`."""
 
-    def error(self, err: p.ProtocolError) -> None:
+    def error(self, err: errors.ProtocolError) -> None:
         """Report a refused command (the connection goes on)."""
 
     def response_started(self, r: ResponseState) -> None:
@@ -277,8 +277,8 @@ class Session:
         resume_token: str | None = None,
         greet: bool = True,
     ) -> None:
-        self.id = session_id or p.new_id("sess")
-        self.conversation_id = p.new_id("conv")
+        self.id = session_id or codec.new_id("sess")
+        self.conversation_id = codec.new_id("conv")
         self.scheduler = scheduler
         self.outbox = outbox
         self.dialect = dialect
@@ -461,16 +461,16 @@ class Session:
                 self._job_done(item.job, item.outcome)
             elif isinstance(item, Call):
                 item.action()
-            elif isinstance(item, p.ProtocolError):
+            elif isinstance(item, errors.ProtocolError):
                 raise item
             else:
                 self.dialect.handle(item)
-        except p.ProtocolError as err:
+        except errors.ProtocolError as err:
             self.error(err)
         except Exception:  # a bug must cost one event, not the connection
             log.exception("session %s failed to handle %r", self.id, item)
             self.error(
-                p.ProtocolError(
+                errors.ProtocolError(
                     "internal_error",
                     "The gateway failed to handle this event.",
                     event_id=getattr(item, "event_id", None),
@@ -478,7 +478,7 @@ class Session:
                 )
             )
 
-    def error(self, err: p.ProtocolError) -> None:
+    def error(self, err: errors.ProtocolError) -> None:
         """Count ``err`` and let the dialect report it."""
         if self.metrics is not None:
             self.metrics.errors.labels(code=err.code).inc()
@@ -503,9 +503,9 @@ class Session:
 
     def free_item_id(self) -> str:
         """A new server-made item id; checked, since clients choose item ids too."""
-        item_id = p.new_id("item")
+        item_id = codec.new_id("item")
         while item_id in self.conversation:
-            item_id = p.new_id("item")
+            item_id = codec.new_id("item")
         return item_id
 
     def start_response(
@@ -515,7 +515,7 @@ class Session:
 
         The dialect's ``response_started`` runs before this returns, and before the
         job's first step can reach the session."""
-        response_id = response_id or p.new_id("resp")
+        response_id = response_id or codec.new_id("resp")
         request = GenerationRequest(
             request_id=response_id,
             messages=spec.messages,
@@ -593,7 +593,7 @@ class Session:
         self.dialect.text_delta(r, text)
 
     def _open_call(self, r: ResponseState, delta: ToolCallDelta) -> CallState:
-        call_id = delta.call_id or p.new_id("call")
+        call_id = delta.call_id or codec.new_id("call")
         name = delta.name or ""
         item = Item.function_call(self.free_item_id(), call_id, name, "", "in_progress")
         index, previous = self._next_output(r, item)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gateway.protocol import JSON, encode
+from sessions.codec import JSON, encode
 
 # Rough memory costs, so the byte cap means memory: a pending delta's event fields,
 # and each merged piece of text (a str object and its list slot).

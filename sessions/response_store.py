@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.protocol import JSON
+from sessions.codec import JSON
 from sessions.conversation import Item
 
 _ITEM_BYTES = 200  # an Item and its strings' headers, roughly
@@ -50,7 +50,7 @@ class ResponseStore:
         self._clock = clock
         self._entries: OrderedDict[str, tuple[float, StoredResponse]] = OrderedDict()
         self.bytes = 0
-        # A session store's hooks (gateway/persistence.py): what is put or deleted here
+        # A session store's hooks (gateway/cluster/persistence.py): what is put or deleted here
         # is put or deleted there too, for every process sharing it.
         self.on_put: Callable[[StoredResponse], None] | None = None
         self.on_delete: Callable[[str], None] | None = None

@@ -19,7 +19,7 @@ from openai import AsyncOpenAI, AuthenticationError, BadRequestError
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect as sync_connect
 
-from gateway import auth
+from gateway.api import auth
 from gateway.engines.sim import SimEngine
 from tests.harness import RawClient, RunningGateway, running_gateway
 from tests.test_workers import free_port, wait_until_serving

@@ -26,7 +26,7 @@ from openai.types.realtime.realtime_response_status import RealtimeResponseStatu
 from gateway.engines.base import EngineError, Usage
 from gateway.engines.sim import SimEngine
 from gateway.scheduler import CancelReason, Outcome
-from sessions.realtime import status_details
+from sessions.realtime.dialect import status_details
 from tests.harness import RawClient, running_gateway
 from tests.scripted_engine import ScriptedEngine, text_then_two_calls
 from tests.test_tools import TIME, WEATHER, output_item, respond_all, set_tools

@@ -19,9 +19,9 @@ import pytest
 
 from gateway.config import GatewayConfig
 from gateway.engines.sim import SimEngine
-from gateway.http1 import ClientDisconnected, HttpReply, HttpRequest
-from gateway.router import Router
 from gateway.server import Gateway
+from gateway.transport.http1 import ClientDisconnected, HttpReply, HttpRequest
+from gateway.transport.router import Router
 from tests.harness import RawClient
 
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from gateway import protocol as p
 from gateway.engines.sim import SimEngine
+from sessions import codec
 from sessions.conversation import Conversation, DuplicateItemId, Item
 from tests.harness import RawClient, running_gateway
 
@@ -66,7 +66,7 @@ async def test_a_client_cannot_take_the_id_of_the_next_answer() -> None:
 
 
 def test_server_ids_are_not_predictable() -> None:
-    ids = [p.new_id("item") for _ in range(1000)]
+    ids = [codec.new_id("item") for _ in range(1000)]
     assert len(set(ids)) == 1000
     suffixes = [i.removeprefix("item_") for i in ids]
     assert all(len(s) >= 16 for s in suffixes)  # at least 64 random bits each
@@ -95,7 +95,7 @@ async def test_a_collision_costs_one_error_and_starts_no_response(
         await c.send(message("taken", "item_taken"))
         await c.recv_until("conversation.item.done")
         made = {"resp": iter(["resp_1", "resp_2"]), "item": iter(["item_taken", "item_free"])}
-        monkeypatch.setattr(p, "new_id", lambda prefix: next(made[prefix]))
+        monkeypatch.setattr(codec, "new_id", lambda prefix: next(made[prefix]))
         await c.send({"type": "response.create"})
         first = await c.recv()
         assert first["type"] in ("error", "response.created"), first

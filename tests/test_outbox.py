@@ -7,7 +7,7 @@ import asyncio
 from typing import Any
 
 from sessions.outbox import CloseRequest, Outbox, ReplayBudget
-from sessions.realtime import RealtimeFraming
+from sessions.realtime.dialect import RealtimeFraming
 from tests.wires import MemoryWire
 
 

@@ -9,17 +9,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway import protocol as p
+from sessions import codec, errors
+from sessions.realtime import codec as rt
 
 
-def err(frame: str | bytes) -> p.ProtocolError:
-    with pytest.raises(p.ProtocolError) as info:
-        p.decode(frame)
+def err(frame: str | bytes) -> errors.ProtocolError:
+    with pytest.raises(errors.ProtocolError) as info:
+        rt.decode(frame)
     return info.value
 
 
 def test_session_update_as_the_sdk_sends_it() -> None:
-    event = p.decode(
+    event = rt.decode(
         json.dumps(
             {
                 "type": "session.update",
@@ -36,25 +37,25 @@ def test_session_update_as_the_sdk_sends_it() -> None:
             }
         )
     )
-    assert isinstance(event, p.SessionUpdate)
+    assert isinstance(event, rt.SessionUpdate)
     assert event.patch.instructions == "Be brief."
     assert event.patch.max_output_tokens is None
     assert event.patch.stop == ("\n\n",)
-    assert event.patch.top_p == p.UNSET
+    assert event.patch.top_p == codec.UNSET
 
 
 def test_item_create_joins_text_parts() -> None:
-    event = p.decode(
+    event = rt.decode(
         '{"type":"conversation.item.create","item":{"type":"message","role":"user",'
         '"content":[{"type":"input_text","text":"안녕 "},{"type":"input_text","text":"🙂"}]}}'
     )
-    assert isinstance(event, p.ItemCreate)
+    assert isinstance(event, rt.ItemCreate)
     assert event.item.text == "안녕 🙂"
     assert event.item.role == "user"
 
 
 def test_out_of_band_response_with_its_own_input() -> None:
-    event = p.decode(
+    event = rt.decode(
         json.dumps(
             {
                 "type": "response.create",
@@ -72,7 +73,7 @@ def test_out_of_band_response_with_its_own_input() -> None:
             }
         )
     )
-    assert isinstance(event, p.ResponseCreate)
+    assert isinstance(event, rt.ResponseCreate)
     assert event.params.out_of_band
     assert event.params.metadata == {"batch": "7"}
     assert event.params.input is not None and event.params.input[0].text == "hi"
@@ -179,13 +180,13 @@ def test_malformed_events(frame: str | bytes, code: str, param: str | None) -> N
 def test_seed_is_any_unsigned_64_bit_integer() -> None:
     # Every engine gets the same range: TensorRT-LLM's sampler takes a uint64 seed.
     for seed in (0, 2**64 - 1):
-        event = p.decode(json.dumps({"type": "session.update", "session": {"seed": seed}}))
-        assert isinstance(event, p.SessionUpdate) and event.patch.seed == seed
+        event = rt.decode(json.dumps({"type": "session.update", "session": {"seed": seed}}))
+        assert isinstance(event, rt.SessionUpdate) and event.patch.seed == seed
 
 
 def test_error_event_carries_the_clients_event_id() -> None:
     error = err('{"type": "nope", "event_id": "client-42"}')
-    event = p.error_event(error)
+    event = codec.error_event(error)
     assert event["type"] == "error"
     assert event["error"]["event_id"] == "client-42"
     assert event["error"]["type"] == "invalid_request_error"
@@ -217,8 +218,8 @@ def test_random_events_decode_or_raise_protocol_error(
 ) -> None:
     frame = json.dumps({**body, "type": event_type})
     try:
-        p.decode(frame)
-    except p.ProtocolError as error:
+        rt.decode(frame)
+    except errors.ProtocolError as error:
         assert error.code and error.message
 
 
@@ -234,8 +235,8 @@ def test_the_session_object_the_server_sends_can_be_sent_back() -> None:
         "tool_choice": "auto",
         "tracing": None,
     }
-    event = p.decode(json.dumps({"type": "session.update", "session": echoed}))
-    assert isinstance(event, p.SessionUpdate)
+    event = rt.decode(json.dumps({"type": "session.update", "session": echoed}))
+    assert isinstance(event, rt.SessionUpdate)
     assert event.patch.instructions == "unset"
     mcp = {"type": "mcp", "server_label": "x"}
     error = err(json.dumps({"type": "session.update", "session": {"tools": [mcp]}}))
@@ -246,6 +247,6 @@ def test_the_session_object_the_server_sends_can_be_sent_back() -> None:
 def test_an_unhashable_role_is_a_protocol_error(role: Any) -> None:
     """Found by bench/adversarial.py: it raised TypeError, which closed the connection."""
     item = {"type": "message", "role": role, "content": [{"type": "input_text", "text": "x"}]}
-    with pytest.raises(p.ProtocolError) as refused:
-        p.decode(json.dumps({"type": "conversation.item.create", "item": item}))
+    with pytest.raises(errors.ProtocolError) as refused:
+        rt.decode(json.dumps({"type": "conversation.item.create", "item": item}))
     assert refused.value.param == "item.role"

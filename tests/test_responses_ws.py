@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from gateway import protocol as p
-from gateway import responses_protocol as rp
 from gateway.engines.sim import TOOL_ANSWER_PREFIX, SimEngine
-from sessions import responses as dialect
+from sessions import errors
+from sessions.responses import codec as rp
+from sessions.responses import dialect
 from tests.harness import RunningGateway, gateway_on_a_thread, running_gateway
 from tests.responses_harness import TERMINAL, ResponsesClient
 
@@ -420,7 +420,7 @@ def test_random_events_decode_or_raise_protocol_error(
 ) -> None:
     try:
         rp.decode(json.dumps({**body, "type": event_type}))
-    except p.ProtocolError as error:
+    except errors.ProtocolError as error:
         assert error.code and error.message and error.error_type == "invalid_request_error"
 
 

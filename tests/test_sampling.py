@@ -9,9 +9,10 @@ import json
 import httpx
 import pytest
 
-from gateway import protocol as p
-from gateway import responses_protocol as rp
 from gateway.engines.base import SamplingParams, TextDelta
+from sessions import codec, errors
+from sessions.realtime import codec as rt
+from sessions.responses import codec as rp
 from tests.harness import RawClient, running_gateway
 from tests.responses_harness import ResponsesClient
 from tests.scripted_engine import ScriptedEngine
@@ -31,7 +32,7 @@ def penalties(sampling: SamplingParams) -> tuple[float | None, float | None]:
 
 
 def test_session_update_and_response_create_read_both_penalties() -> None:
-    update = p.decode(
+    update = rt.decode(
         json.dumps(
             {
                 "type": "session.update",
@@ -39,12 +40,12 @@ def test_session_update_and_response_create_read_both_penalties() -> None:
             }
         )
     )
-    assert isinstance(update, p.SessionUpdate)
+    assert isinstance(update, rt.SessionUpdate)
     assert (update.patch.frequency_penalty, update.patch.presence_penalty) == (0.5, -2.0)
-    create = p.decode('{"type": "response.create", "response": {"presence_penalty": 2}}')
-    assert isinstance(create, p.ResponseCreate)
+    create = rt.decode('{"type": "response.create", "response": {"presence_penalty": 2}}')
+    assert isinstance(create, rt.ResponseCreate)
     assert create.params.presence_penalty == 2.0
-    assert create.params.frequency_penalty == p.UNSET
+    assert create.params.frequency_penalty == codec.UNSET
     body = rp.read_create({"input": "x", "frequency_penalty": -0.25, "presence_penalty": None})
     assert (body.frequency_penalty, body.presence_penalty) == (-0.25, None)
 
@@ -58,10 +59,10 @@ def test_a_penalty_outside_chat_completions_range_is_refused(
 ) -> None:
     for wrapper in ("session.update", "response.create"):
         key = "session" if wrapper == "session.update" else "response"
-        with pytest.raises(p.ProtocolError) as caught:
-            p.decode(json.dumps({"type": wrapper, key: {name: value}}))
+        with pytest.raises(errors.ProtocolError) as caught:
+            rt.decode(json.dumps({"type": wrapper, key: {name: value}}))
         assert (caught.value.code, caught.value.param) == (code, f"{key}.{name}")
-    with pytest.raises(p.ProtocolError) as caught:
+    with pytest.raises(errors.ProtocolError) as caught:
         rp.read_create({"input": "x", name: value})
     assert (caught.value.code, caught.value.param) == (code, name)
 

@@ -9,12 +9,12 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway import protocol as p
 from gateway.engines.sim import SimEngine
 from gateway.scheduler import Scheduler
 from sessions.core import Session, SessionLimits
 from sessions.outbox import CloseRequest, Outbox
-from sessions.realtime import RealtimeDialect, RealtimeFraming
+from sessions.realtime import codec as rt
+from sessions.realtime.dialect import RealtimeDialect, RealtimeFraming
 from tests.wires import MemoryWire
 
 
@@ -29,7 +29,7 @@ class Harness:
         self.task = asyncio.get_running_loop().create_task(session.run())
 
     async def send(self, event: dict[str, Any]) -> None:
-        await self.session.deliver(p.decode(orjson.dumps(event).decode()))
+        await self.session.deliver(rt.decode(orjson.dumps(event).decode()))
 
     async def next(self) -> dict[str, Any]:
         event = await self.wire.next()

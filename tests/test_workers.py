@@ -20,7 +20,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 import gateway.client as gc
-from gateway import relay
+from gateway.cluster import worker_relay as relay
 from tests.test_client import cut_at_random
 from tests.test_resume import Resumable, response_text
 

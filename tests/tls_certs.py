@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from gateway.tls import TlsFiles
+from gateway.transport.tls import TlsFiles
 
 
 @dataclass(frozen=True)

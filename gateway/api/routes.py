@@ -1,17 +1,17 @@
 """The plain HTTP routes of the gateway's port: health, readiness, metrics, the chat page,
 client secrets, and a word for a GET that should have been a WebSocket upgrade.
 
-The Responses API's routes are gateway/responses_http.py's; :func:`router` adds them.
+The Responses API's routes are gateway/api/responses_http.py's; :func:`router` adds them.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gateway import auth, static
-from gateway.admission import Entry, bearer
-from gateway.http1 import HttpReply, HttpRequest
-from gateway.router import Router
+from gateway.api import auth, static_files
+from gateway.api.admission import Entry, bearer
+from gateway.transport.http1 import HttpReply, HttpRequest
+from gateway.transport.router import Router
 
 if TYPE_CHECKING:
     from gateway.server import Gateway
@@ -26,7 +26,7 @@ PAGE_CONFIG_PATH = "/page-config.json"
 
 
 def router(gateway: Gateway) -> Router:
-    """Every plain HTTP route (gateway/router.py says how to add one)."""
+    """Every plain HTTP route (gateway/transport/router.py says how to add one)."""
     routes = _Routes(gateway)
     router = Router(_not_found)
     router.add("GET", "/healthz", routes.healthz)
@@ -103,12 +103,12 @@ class _Routes:
 
 
 async def _page(request: HttpRequest, reply: HttpReply) -> None:
-    found = static.page(request.params.get("name", "index.html"))
+    found = static_files.page(request.params.get("name", "index.html"))
     if found is None:
         await _not_found(request, reply)
         return
     body, content_type = found
-    reply.send(200, body, content_type, static.PAGE_HEADERS)
+    reply.send(200, body, content_type, static_files.PAGE_HEADERS)
 
 
 async def _websocket_only(request: HttpRequest, reply: HttpReply) -> None:

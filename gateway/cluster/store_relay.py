@@ -24,12 +24,13 @@ from redis.exceptions import RedisError
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from gateway import protocol
-from gateway import responses_protocol as rp
-from gateway.session_store import Loaded, RedisStore, channel, log_key, owner_key
-from gateway.wire import SocketWire
+from gateway.cluster.redis_store import Loaded, RedisStore, channel, log_key, owner_key
+from gateway.transport.wire import SocketWire
+from sessions import errors
 from sessions.core import Session
-from sessions.responses import ResponsesDialect
+from sessions.realtime import codec as rt
+from sessions.responses import codec as rp
+from sessions.responses.dialect import ResponsesDialect
 
 log = logging.getLogger(__name__)
 
@@ -148,10 +149,10 @@ class Inbound:
         elif kind == "close":
             session.close("disconnected")
         elif kind == "frame":
-            decode = rp.decode if isinstance(session.dialect, ResponsesDialect) else protocol.decode
+            decode = rp.decode if isinstance(session.dialect, ResponsesDialect) else rt.decode
             try:
                 command: object = decode(message.get("frame") or "")
-            except protocol.ProtocolError as err:
+            except errors.ProtocolError as err:
                 command = err
-            if not isinstance(command, protocol.SessionResume):
+            if not isinstance(command, rt.SessionResume):
                 await session.deliver(command)

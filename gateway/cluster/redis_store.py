@@ -11,7 +11,7 @@
   the session;
 - ``r:{id}``: a stored Responses response (``store: true``);
 - ``i:{process}``: the pub/sub channel a process that resumed a session it does not
-  own forwards its client's frames on (the relay; see gateway/store_relay.py).
+  own forwards its client's frames on (the relay; see gateway/cluster/store_relay.py).
 
 The token path never awaits the store. Writes are queued (a list append) and leave in
 one pipeline per loop turn and lane, which is to say per engine step: frames on the

@@ -12,7 +12,7 @@ Who owns what: the lanes, the turns waiting in them and the steering input belon
 to this object, which runs on the session actor's turn like the core; the response
 store is the gateway's, shared, and touched only on the event loop thread. What a turn
 looks like (its ``Response`` object, its items' events, the steering events, its
-snapshot) is sessions/responses_turns.py's.
+snapshot) is sessions/responses/turns.py's.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from typing import Any, Protocol
 
 import orjson
 
-from gateway import protocol as p
-from gateway import responses_protocol as rp
 from gateway.engines.base import (
     GenerationRequest,
     Message,
@@ -34,12 +32,14 @@ from gateway.engines.base import (
     ToolCallDelta,
 )
 from gateway.scheduler import Job, Outcome
-from sessions import responses_turns as turns
+from sessions import codec, errors
 from sessions.conversation import Item, items_to_messages
 from sessions.core import CallState, ResponseSpec, ResponseState, Session, item_status
-from sessions.realtime import check_tool_choice, input_items
+from sessions.realtime.dialect import check_tool_choice, input_items
 from sessions.response_store import ResponseStore, StoredResponse
-from sessions.responses_turns import Lane, Turn
+from sessions.responses import codec as rp
+from sessions.responses import turns
+from sessions.responses.turns import Lane, Turn
 
 MAX_IN_FLIGHT = 16
 MAX_LANES = 32
@@ -91,14 +91,14 @@ class _Prefill:
 
 
 class ResponseObserver(Protocol):
-    """Who waits on an HTTP request's response (gateway/responses_http.py): told when it
+    """Who waits on an HTTP request's response (gateway/api/responses_http.py): told when it
     starts and ends, with the ``Response`` object, or why it was refused."""
 
-    def started(self, body: p.JSON) -> None: ...
+    def started(self, body: codec.JSON) -> None: ...
 
-    def ended(self, body: p.JSON) -> None: ...
+    def ended(self, body: codec.JSON) -> None: ...
 
-    def refused(self, err: p.ProtocolError) -> None: ...
+    def refused(self, err: errors.ProtocolError) -> None: ...
 
 
 class ResponsesDialect:
@@ -197,7 +197,7 @@ class ResponsesDialect:
     def expire(self) -> None:
         """The connection reached ``--responses-max-age``: say so, then end it."""
         self.error(
-            p.ProtocolError(
+            errors.ProtocolError(
                 "websocket_connection_limit_reached",
                 "This connection reached its maximum age; open a new one (responses stored "
                 "with store: true can be continued there).",
@@ -218,7 +218,7 @@ class ResponsesDialect:
             case rp.Ignored():
                 pass
 
-    def error(self, err: p.ProtocolError, stream_id: str | None = None) -> None:
+    def error(self, err: errors.ProtocolError, stream_id: str | None = None) -> None:
         if self.observer is not None:
             self.observer.refused(err)
             return
@@ -231,14 +231,14 @@ class ResponsesDialect:
         lane = self._lanes.get(body.stream_id)
         if lane is None:
             if body.stream_id is not None and sum(k is not None for k in self._lanes) >= MAX_LANES:
-                raise p.ProtocolError(
+                raise errors.ProtocolError(
                     "websocket_stream_limit_reached",
                     f"A connection has at most {MAX_LANES} named lanes (stream_id).",
                     param="stream_id",
                 )
             lane = self._lane(body.stream_id)
         if self._waiting >= MAX_WAITING:
-            raise p.ProtocolError(
+            raise errors.ProtocolError(
                 "too_many_queued_responses",
                 f"At most {MAX_WAITING} response.create may wait on one connection.",
                 param="stream_id" if body.stream_id else None,
@@ -266,13 +266,13 @@ class ResponsesDialect:
             self._waiting -= 1
             try:
                 self._start(lane, body)
-            except p.ProtocolError as err:
+            except errors.ProtocolError as err:
                 self._lane_error(err, lane)
                 if lane.waiting:
                     self._ready.append(lane)
         self._ready.extendleft(reversed(skipped))
 
-    def _lane_error(self, err: p.ProtocolError, lane: Lane) -> None:
+    def _lane_error(self, err: errors.ProtocolError, lane: Lane) -> None:
         if self.core.metrics is not None:
             self.core.metrics.errors.labels(code=err.code).inc()
         self.error(err, lane.stream_id)
@@ -289,7 +289,7 @@ class ResponsesDialect:
                 return other.latest
         stored = self.store.get(wanted) if self.store is not None else None
         if stored is None:
-            raise p.ProtocolError(
+            raise errors.ProtocolError(
                 "previous_response_not_found",
                 f"Previous response with id '{wanted}' not found.",
                 param="previous_response_id",
@@ -308,25 +308,25 @@ class ResponsesDialect:
         steer_specs = tuple(spec for _, steer in queued for spec in steer.input)
         new = input_items((*steer_specs, *body.input), "input", None, history)
         items = tuple(replace(i, id=i.id or core.free_item_id()) for i in new)
-        tools = c.tools if body.tools == p.UNSET else body.tools
-        choice = c.tool_choice if body.tool_choice == p.UNSET else body.tool_choice
+        tools = c.tools if body.tools == codec.UNSET else body.tools
+        choice = c.tool_choice if body.tool_choice == codec.UNSET else body.tool_choice
         check_tool_choice(tools, choice, "", None)
         instructions = body.instructions if body.instructions is not None else c.instructions
         system = [Message("system", instructions)] if instructions else []
         messages = (*system, *items_to_messages([*history, *items]))
         sampling = SamplingParams(
             max_output_tokens=c.max_output_tokens
-            if body.max_output_tokens == p.UNSET
+            if body.max_output_tokens == codec.UNSET
             else body.max_output_tokens,
-            temperature=c.temperature if body.temperature == p.UNSET else body.temperature,
-            top_p=c.top_p if body.top_p == p.UNSET else body.top_p,
+            temperature=c.temperature if body.temperature == codec.UNSET else body.temperature,
+            top_p=c.top_p if body.top_p == codec.UNSET else body.top_p,
             seed=c.seed,
             stop=c.stop,
             frequency_penalty=c.frequency_penalty
-            if body.frequency_penalty == p.UNSET
+            if body.frequency_penalty == codec.UNSET
             else body.frequency_penalty,
             presence_penalty=c.presence_penalty
-            if body.presence_penalty == p.UNSET
+            if body.presence_penalty == codec.UNSET
             else body.presence_penalty,
         )
         turn = Turn(body, lane, history, items, int(time.time()), body.instructions, tools, choice)
@@ -345,7 +345,7 @@ class ResponsesDialect:
         )
         response = core.start_response(spec)
         if response is None:
-            raise p.ProtocolError(
+            raise errors.ProtocolError(
                 "overloaded",
                 "The gateway is at capacity (every engine slot and queue place is taken); "
                 "retry shortly.",
@@ -360,7 +360,7 @@ class ResponsesDialect:
     ) -> None:
         """Store the input as a response without output; prefill the lane's cache."""
         core = self.core
-        response_id = p.new_id("resp")
+        response_id = codec.new_id("resp")
         request = GenerationRequest(
             request_id=response_id,
             messages=messages,
@@ -403,7 +403,7 @@ class ResponsesDialect:
         assert isinstance(r.spec.tag, Turn)
         return r.spec.tag
 
-    def _put(self, lane: Lane, event: p.JSON) -> None:
+    def _put(self, lane: Lane, event: codec.JSON) -> None:
         if lane.stream_id is not None:
             event["stream_id"] = lane.stream_id
         self.core.outbox.put(event)
@@ -413,11 +413,11 @@ class ResponsesDialect:
         response_id: str,
         turn: Turn,
         status: str,
-        output: list[p.JSON] | None = None,
-        usage: p.JSON | None = None,
+        output: list[codec.JSON] | None = None,
+        usage: codec.JSON | None = None,
         incomplete: str | None = None,
-        error: p.JSON | None = None,
-    ) -> p.JSON:
+        error: codec.JSON | None = None,
+    ) -> codec.JSON:
         config = self.core.config
         return turns.response_json(
             response_id, turn, config, status, output, usage, incomplete, error
@@ -452,7 +452,7 @@ class ResponsesDialect:
         lane = turn.lane
         lane.running = None
         status = item_status(outcome)
-        outputs: list[tuple[int, p.JSON, Item]] = []
+        outputs: list[tuple[int, codec.JSON, Item]] = []
         if r.text_index is not None:
             outputs.append(
                 (
@@ -488,13 +488,13 @@ class ResponsesDialect:
         self._settle_steers(lane, turn, r.id, response_status, calls)
         self._after_turn(lane)
 
-    def _close_text(self, lane: Lane, r: ResponseState, text: str, status: str) -> p.JSON:
+    def _close_text(self, lane: Lane, r: ResponseState, text: str, status: str) -> codec.JSON:
         events, item = turns.text_closed(r, text, status)
         for event in events:
             self._put(lane, event)
         return item
 
-    def _close_call(self, lane: Lane, call: CallState, status: str) -> p.JSON:
+    def _close_call(self, lane: Lane, call: CallState, status: str) -> codec.JSON:
         events, item = turns.call_closed(call, status)
         for event in events:
             self._put(lane, event)
@@ -505,7 +505,7 @@ class ResponsesDialect:
         lane: Lane,
         turn: Turn,
         response_id: str,
-        body: p.JSON,
+        body: codec.JSON,
         outputs: tuple[Item, ...],
         calls: tuple[tuple[str, str], ...],
     ) -> None:
@@ -531,7 +531,7 @@ class ResponsesDialect:
             else (live[-1] if live else None)
         )
         if target is None:
-            raise p.ProtocolError(
+            raise errors.ProtocolError(
                 "response_not_found" if response_id else "response_cancel_not_active",
                 f"No response '{response_id}' is in progress on this connection."
                 if response_id
@@ -553,7 +553,7 @@ class ResponsesDialect:
                     turn.lane,
                 )
                 return
-            steer_id = p.new_id(_STEERED)
+            steer_id = codec.new_id(_STEERED)
             turn.steers.append((steer_id, steer))
             self._put(turn.lane, turns.steer_accepted(steer_id, target.id))
             # Stopped at the next token boundary; response_ended starts the successor.
@@ -573,7 +573,7 @@ class ResponsesDialect:
             and lane.latest.pending_calls
             and not lane.busy
         ):
-            steer_id = p.new_id(_STEERED)
+            steer_id = codec.new_id(_STEERED)
             self._put(lane, turns.steer_accepted(steer_id, lane.latest.id))
             lane.pending_steers.append((steer_id, steer))
             self._put(lane, turns.steer_pending(steer_id, lane.latest))
@@ -636,7 +636,7 @@ class ResponsesDialect:
         successor = replace(turn.body, input=(), previous_response_id=response_id, generate=True)
         try:
             self._start(lane, successor, steers)
-        except p.ProtocolError as err:
+        except errors.ProtocolError as err:
             for steer_id, steer in steers:
                 self._steer_failed(steer, steer_id, "successor_creation_failed", err.message, lane)
 

@@ -34,7 +34,8 @@ from typing import Any
 
 import orjson
 
-from gateway import protocol
+from sessions import codec, errors
+from sessions.realtime import codec as rt
 
 ENV_VAR = "LLM_GATEWAY_API_KEY"
 SECRET_PREFIX = "ek_"
@@ -230,12 +231,12 @@ def _check_session(session: Any) -> None:
         return
     try:
         frame = orjson.dumps({"type": "session.update", "session": session}).decode()
-        update = protocol.decode(frame)
-    except protocol.ProtocolError as err:
+        update = rt.decode(frame)
+    except errors.ProtocolError as err:
         raise SecretRequestError(err.message, err.code, err.param) from None
-    assert isinstance(update, protocol.SessionUpdate)
+    assert isinstance(update, rt.SessionUpdate)
     patch = update.patch
-    settings = [k for k in patch.__slots__ if k != "model" and getattr(patch, k) != protocol.UNSET]
+    settings = [k for k in patch.__slots__ if k != "model" and getattr(patch, k) != codec.UNSET]
     if settings:
         raise SecretRequestError(
             f"A client secret carries no session settings here ('session.{settings[0]}'): "

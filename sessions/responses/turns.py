@@ -1,6 +1,6 @@
 """A Responses turn: its data, the events that tell a client about it, and its snapshot.
 
-sessions/responses.py decides when a turn starts and what becomes of it; this module only
+sessions/responses/dialect.py decides when a turn starts and what becomes of it; this module only
 says what it looks like: the ``Response`` object, the output items' events, the steering
 events (each a JSON dict for the outbox, which numbers it), and the JSON a session store
 keeps of a turn that is running or waiting. Nothing here sends, schedules or holds state.
@@ -12,14 +12,13 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from gateway import protocol as p
-from gateway import responses_protocol as rp
 from gateway.engines.base import Tool, ToolChoice
 from gateway.scheduler import Job, Outcome
-from sessions import snapshot
+from sessions import codec, snapshot
 from sessions.conversation import Item
 from sessions.core import CallState, ResponseState, SessionConfig
 from sessions.response_store import StoredResponse
+from sessions.responses import codec as rp
 
 
 @dataclass(eq=False, slots=True)
@@ -62,11 +61,11 @@ def response_json(
     turn: Turn,
     config: SessionConfig,
     status: str,
-    output: list[p.JSON] | None = None,
-    usage: p.JSON | None = None,
+    output: list[codec.JSON] | None = None,
+    usage: codec.JSON | None = None,
     incomplete: str | None = None,
-    error: p.JSON | None = None,
-) -> p.JSON:
+    error: codec.JSON | None = None,
+) -> codec.JSON:
     body, c = turn.body, config
     return {
         "id": response_id,
@@ -77,23 +76,25 @@ def response_json(
         "error": error,
         "incomplete_details": None if incomplete is None else {"reason": incomplete},
         "instructions": turn.instructions,
-        "max_output_tokens": None if body.max_output_tokens == p.UNSET else body.max_output_tokens,
+        "max_output_tokens": None
+        if body.max_output_tokens == codec.UNSET
+        else body.max_output_tokens,
         "metadata": body.metadata or {},
         "model": c.model,
         "output": output or [],
         "parallel_tool_calls": body.parallel_tool_calls,
         "previous_response_id": body.previous_response_id,
-        "temperature": c.temperature if body.temperature == p.UNSET else body.temperature,
+        "temperature": c.temperature if body.temperature == codec.UNSET else body.temperature,
         "text": {"format": {"type": "text"}},
-        "tool_choice": p.tool_choice_json(turn.tool_choice),
-        "tools": [{**t, "strict": False} for t in p.tools_json(turn.tools)],
-        "top_p": c.top_p if body.top_p == p.UNSET else body.top_p,
+        "tool_choice": codec.tool_choice_json(turn.tool_choice),
+        "tools": [{**t, "strict": False} for t in codec.tools_json(turn.tools)],
+        "top_p": c.top_p if body.top_p == codec.UNSET else body.top_p,
         "truncation": body.truncation,
         "usage": usage,
     }
 
 
-def text_opened(r: ResponseState) -> list[p.JSON]:
+def text_opened(r: ResponseState) -> list[codec.JSON]:
     index = r.text_index
     return [
         {
@@ -111,7 +112,7 @@ def text_opened(r: ResponseState) -> list[p.JSON]:
     ]
 
 
-def text_delta(r: ResponseState, text: str) -> p.JSON:
+def text_delta(r: ResponseState, text: str) -> codec.JSON:
     return {
         "type": "response.output_text.delta",
         "item_id": r.item_id,
@@ -122,7 +123,7 @@ def text_delta(r: ResponseState, text: str) -> p.JSON:
     }
 
 
-def text_closed(r: ResponseState, text: str, status: str) -> tuple[list[p.JSON], p.JSON]:
+def text_closed(r: ResponseState, text: str, status: str) -> tuple[list[codec.JSON], codec.JSON]:
     """The text's closing events, and its output item."""
     ids = {"item_id": r.item_id, "output_index": r.text_index, "content_index": 0}
     item = rp.message_json(r.item_id, text, status)
@@ -133,12 +134,12 @@ def text_closed(r: ResponseState, text: str, status: str) -> tuple[list[p.JSON],
     ], item
 
 
-def call_opened(call: CallState) -> p.JSON:
+def call_opened(call: CallState) -> codec.JSON:
     item = rp.function_call_json(call.item_id, call.call_id, call.name, "", "in_progress")
     return {"type": "response.output_item.added", "output_index": call.output_index, "item": item}
 
 
-def call_delta(call: CallState, arguments: str) -> p.JSON:
+def call_delta(call: CallState, arguments: str) -> codec.JSON:
     return {
         "type": "response.function_call_arguments.delta",
         "item_id": call.item_id,
@@ -147,7 +148,7 @@ def call_delta(call: CallState, arguments: str) -> p.JSON:
     }
 
 
-def call_closed(call: CallState, status: str) -> tuple[list[p.JSON], p.JSON]:
+def call_closed(call: CallState, status: str) -> tuple[list[codec.JSON], codec.JSON]:
     """The call's closing events, and its output item."""
     item = rp.function_call_json(call.item_id, call.call_id, call.name, call.arguments, status)
     return [
@@ -161,7 +162,7 @@ def call_closed(call: CallState, status: str) -> tuple[list[p.JSON], p.JSON]:
     ], item
 
 
-def ending(turn: Turn, outcome: Outcome) -> tuple[str, str, str | None, p.JSON | None]:
+def ending(turn: Turn, outcome: Outcome) -> tuple[str, str, str | None, codec.JSON | None]:
     """The terminal event's type, the response's status, incomplete reason, error."""
     if outcome.status == "completed":
         return "response.completed", "completed", None, None
@@ -196,14 +197,14 @@ def _response_error_code(code: str) -> str:
 # -- steering --------------------------------------------------------------------------
 
 
-def steer_accepted(steer_id: str, previous_response_id: str) -> p.JSON:
+def steer_accepted(steer_id: str, previous_response_id: str) -> codec.JSON:
     return {
         "type": "response.steer.accepted",
         "steer": {"id": steer_id, "previous_response_id": previous_response_id},
     }
 
 
-def steer_pending(steer_id: str, latest: StoredResponse) -> p.JSON:
+def steer_pending(steer_id: str, latest: StoredResponse) -> codec.JSON:
     """The steering input waits for the tool output the latest response asked for."""
     required = [
         {"type": "function_call_output", "call_id": call_id, "name": name}
@@ -217,7 +218,7 @@ def steer_pending(steer_id: str, latest: StoredResponse) -> p.JSON:
     }
 
 
-def steer_failed(steer: rp.Steer, steer_id: str | None, code: str, message: str) -> p.JSON:
+def steer_failed(steer: rp.Steer, steer_id: str | None, code: str, message: str) -> codec.JSON:
     return {
         "type": "response.steer.failed",
         "error": {"type": "invalid_request_error", "code": code, "message": message},
@@ -261,9 +262,9 @@ def turn_from(data: Any, lane: Lane) -> Turn:
 
 
 _INPUT_KINDS: dict[str, type[rp.AnyInput]] = {
-    "message": p.ItemSpec,
-    "function_call": p.FunctionCallSpec,
-    "function_call_output": p.FunctionCallOutputSpec,
+    "message": codec.ItemSpec,
+    "function_call": codec.FunctionCallSpec,
+    "function_call_output": codec.FunctionCallOutputSpec,
 }
 
 
@@ -282,7 +283,7 @@ def _set_fields(body: rp.CreateBody) -> dict[str, Any]:
     return {
         k: getattr(body, k)
         for k in rp.CreateBody.__slots__
-        if k not in ("input", "tools") and getattr(body, k) != p.UNSET
+        if k not in ("input", "tools") and getattr(body, k) != codec.UNSET
     }
 
 

@@ -1,5 +1,5 @@
 """Which handler answers a plain HTTP request: method and path pattern, each route with
-its own body limit. gateway/http1.py asks :meth:`Router.resolve` once a request head
+its own body limit. gateway/transport/http1.py asks :meth:`Router.resolve` once a request head
 is whole (before the body is read, so that the route's limit applies to it).
 
 Patterns are paths whose segments may be ``{name}``: one non-empty segment, handed to
@@ -21,7 +21,7 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.http1 import Handler, HttpReply, HttpRequest, Target
+from gateway.transport.http1 import Handler, HttpReply, HttpRequest, Target
 
 DEFAULT_BODY_LIMIT = 64 * 1024
 _PARAM = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -41,7 +41,7 @@ class _Pattern:
 
 
 class Router:
-    """Routes for :class:`~gateway.http1.HttpService`; see the module docstring."""
+    """Routes for :class:`~gateway.transport.http1.HttpService`; see the module docstring."""
 
     def __init__(self, fallback: Handler, *, fallback_body_limit: int = DEFAULT_BODY_LIMIT):
         self._fallback = Target(fallback, {}, fallback_body_limit)

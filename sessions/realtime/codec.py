@@ -1,86 +1,40 @@
 """Sans-I/O codec for the text subset of the OpenAI Realtime API (GA event names).
 
 :func:`decode` turns one WebSocket frame into a typed client event or raises
-:class:`ProtocolError`, which carries everything an ``error`` event needs. The
-``*_event`` functions build server events as plain dicts. Nothing here does I/O,
-so every rule of the wire format is testable with strings alone.
+:class:`~sessions.errors.ProtocolError`, which carries everything an ``error`` event needs.
+The item and usage builders make the Realtime shapes of the server events. Nothing here does
+I/O, so every rule of the wire format is testable with strings alone.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
-import math
-import re
-import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias
+from typing import Any, TypeAlias
 
-import orjson
-
-from gateway.engines.base import TOOL_CHOICE_MODES, Role, Tool, ToolChoice, Usage
+from gateway.engines.base import Role, Tool, ToolChoice, Usage
+from sessions.codec import (
+    JSON,
+    MAX_ID_CHARS,
+    PENALTY_RANGE,
+    TOOL_NAME,
+    UNSET,
+    AnyItemSpec,
+    FunctionCallOutputSpec,
+    FunctionCallSpec,
+    ItemSpec,
+    Reader,
+    Unset,
+    read_frame,
+    read_metadata,
+    read_tool_choice,
+    read_tools,
+)
+from sessions.conversation import Item
+from sessions.errors import ProtocolError
 
 log = logging.getLogger(__name__)
-
-JSON: TypeAlias = dict[str, Any]
-
-MAX_STOP_SEQUENCES = 4
-MAX_METADATA_PAIRS = 16
-MAX_ID_CHARS = 64
-MAX_TOOLS = 128
-TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-# ---------------------------------------------------------------------------
-# Ids
-
-
-ID_RANDOM_BYTES = 10  # 80 bits: no client guesses the id of an item it did not make
-# Event ids come from the session's outbox: its random tag and the event's sequence number.
-
-
-def new_id(prefix: str) -> str:
-    """An id no client can predict, such as ``item_9c1e...``: for sessions, conversations,
-    items and responses, whose ids a client may also choose (items) or must not guess."""
-    return f"{prefix}_{secrets.token_hex(ID_RANDOM_BYTES)}"
-
-
-# ---------------------------------------------------------------------------
-# Errors
-
-
-class ProtocolError(Exception):
-    """A client event the gateway refuses; becomes one ``error`` event, the connection stays."""
-
-    def __init__(
-        self,
-        code: str,
-        message: str,
-        *,
-        param: str | None = None,
-        event_id: str | None = None,
-        error_type: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.param = param
-        self.event_id = event_id
-        self.error_type = error_type
-
-
-# ---------------------------------------------------------------------------
-# Client events
-
-
-class _Unset(enum.Enum):
-    """Marks a field the client did not send (no string can be mistaken for it)."""
-
-    UNSET = "unset"
-
-
-Unset = Literal[_Unset.UNSET]
-UNSET: Unset = _Unset.UNSET
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,37 +52,6 @@ class SessionPatch:
     model: str | Unset = UNSET
     tools: tuple[Tool, ...] | Unset = UNSET
     tool_choice: ToolChoice | Unset = UNSET
-
-
-@dataclass(frozen=True, slots=True)
-class ItemSpec:
-    """A message item as the client described it."""
-
-    id: str | None
-    role: Role
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class FunctionCallSpec:
-    """A ``function_call`` item a client adds (e.g. to restore a history)."""
-
-    id: str | None
-    call_id: str
-    name: str
-    arguments: str
-
-
-@dataclass(frozen=True, slots=True)
-class FunctionCallOutputSpec:
-    """A ``function_call_output`` item: the result of the call ``call_id``."""
-
-    id: str | None
-    call_id: str
-    output: str
-
-
-AnyItemSpec: TypeAlias = ItemSpec | FunctionCallSpec | FunctionCallOutputSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,132 +130,9 @@ ClientEvent: TypeAlias = (
 )
 
 
-# ---------------------------------------------------------------------------
-# Field validation. Each reader takes (value, param path, event_id) and returns
-# the typed value or raises ProtocolError naming the param.
-
-
-class Reader:
-    """Validates one JSON object's fields, remembering the event_id for errors."""
-
-    def __init__(self, obj: Mapping[str, Any], path: str, event_id: str | None) -> None:
-        self.obj = obj
-        self.path = path
-        self.event_id = event_id
-
-    def param(self, key: str) -> str:
-        return f"{self.path}.{key}" if self.path else key
-
-    def fail(self, key: str, message: str, code: str = "invalid_value") -> ProtocolError:
-        return ProtocolError(code, message, param=self.param(key), event_id=self.event_id)
-
-    def only(self, allowed: frozenset[str]) -> None:
-        for key in self.obj:
-            if key not in allowed:
-                raise self.fail(
-                    key, f"Unknown parameter: '{self.param(key)}'.", "unknown_parameter"
-                )
-
-    def has(self, key: str) -> bool:
-        return key in self.obj
-
-    def required(self, key: str) -> Any:
-        if key not in self.obj:
-            raise self.fail(
-                key,
-                f"Missing required parameter: '{self.param(key)}'.",
-                "missing_required_parameter",
-            )
-        return self.obj[key]
-
-    def string(self, key: str, *, max_chars: int | None = None) -> str:
-        value = self.obj[key]
-        if not isinstance(value, str):
-            raise self.fail(key, f"'{self.param(key)}' must be a string.", "invalid_type")
-        if max_chars is not None and len(value) > max_chars:
-            raise self.fail(key, f"'{self.param(key)}' is longer than {max_chars} characters.")
-        return value
-
-    def optional_string(self, key: str, *, max_chars: int | None = None) -> str | None:
-        return None if self.obj.get(key) is None else self.string(key, max_chars=max_chars)
-
-    def number(self, key: str, low: float, high: float) -> float | None:
-        value = self.obj[key]
-        if value is None:
-            return None
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-        ):
-            raise self.fail(key, f"'{self.param(key)}' must be a number.", "invalid_type")
-        if not low <= value <= high:
-            raise self.fail(key, f"'{self.param(key)}' must be between {low} and {high}.")
-        return float(value)
-
-    def integer(self, key: str, low: int, high: int) -> int | None:
-        value = self.obj[key]
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(key, f"'{self.param(key)}' must be an integer.", "invalid_type")
-        if not low <= value <= high:
-            raise self.fail(key, f"'{self.param(key)}' must be between {low} and {high}.")
-        return value
-
-    def max_tokens(self, key: str) -> int | None:
-        if self.obj[key] == "inf":
-            return None
-        value = self.obj[key]
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1_000_000:
-            raise self.fail(
-                key, f"'{self.param(key)}' must be an integer from 1 to 1000000, or \"inf\"."
-            )
-        return value
-
-    def stop(self, key: str) -> tuple[str, ...]:
-        value = self.obj[key]
-        if value is None:
-            return ()
-        items = [value] if isinstance(value, str) else value
-        if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
-            raise self.fail(
-                key, f"'{self.param(key)}' must be a non-empty string or a list of them."
-            )
-        if len(items) > MAX_STOP_SEQUENCES:
-            raise self.fail(
-                key, f"'{self.param(key)}' holds at most {MAX_STOP_SEQUENCES} sequences."
-            )
-        return tuple(items)
-
-    def modalities(self, key: str) -> None:
-        value = self.obj[key]
-        if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
-            raise self.fail(key, f"'{self.param(key)}' must be a list of strings.", "invalid_type")
-        if value != ["text"]:
-            raise self.fail(
-                key,
-                "This gateway is text only: 'output_modalities' must be [\"text\"].",
-                "unsupported_modality",
-            )
-
-    def child(self, key: str) -> Reader:
-        value = self.obj[key]
-        if not isinstance(value, dict):
-            raise self.fail(key, f"'{self.param(key)}' must be an object.", "invalid_type")
-        return Reader(value, self.param(key), self.event_id)
-
-    def child_at(self, key: str, index: int, value: Any) -> Reader:
-        if not isinstance(value, dict):
-            raise self.fail(f"{key}[{index}]", "Each item must be an object.", "invalid_type")
-        return Reader(value, f"{self.param(key)}[{index}]", self.event_id)
-
-
 _SAMPLING = frozenset(
     {"temperature", "top_p", "seed", "stop", "frequency_penalty", "presence_penalty"}
 )
-# Chat Completions' range for both penalties.
-PENALTY_RANGE = (-2.0, 2.0)
 # Fields the SDK may send (or echo back from session.created) that a text-only gateway
 # can accept as long as they ask for nothing it lacks. ``parallel_tool_calls`` is
 # accepted and ignored: how many calls a response holds is the model's choice.
@@ -402,78 +202,6 @@ def _audio_settings(r: Reader) -> None:
     value = r.obj.get("audio")
     if value is not None and not isinstance(value, dict):
         raise r.fail("audio", f"'{r.param('audio')}' must be an object.", "invalid_type")
-
-
-_TOOL_FIELDS = frozenset({"type", "name", "description", "parameters"})
-
-
-def read_tools(r: Reader, extra_fields: frozenset[str] = frozenset()) -> tuple[Tool, ...]:
-    """Function tools: ``[{type: "function", name, description?, parameters?}]``."""
-    value = r.obj["tools"]
-    if value is None:
-        return ()
-    if not isinstance(value, list):
-        raise r.fail("tools", f"'{r.param('tools')}' must be a list of tools.", "invalid_type")
-    if len(value) > MAX_TOOLS:
-        raise r.fail("tools", f"'{r.param('tools')}' holds at most {MAX_TOOLS} tools.")
-    tools: list[Tool] = []
-    for index, raw in enumerate(value):
-        t = r.child_at("tools", index, raw)
-        if t.obj.get("type", "function") != "function":
-            raise t.fail(
-                "type",
-                "Only function tools (type 'function') are supported.",
-                "unsupported_tool_type",
-            )
-        t.only(_TOOL_FIELDS | extra_fields)
-        t.required("name")
-        name = t.string("name")
-        if not TOOL_NAME.fullmatch(name):
-            raise t.fail(
-                "name",
-                f"'{t.param('name')}' must be 1 to 64 letters, digits, '_' or '-'.",
-            )
-        if any(tool.name == name for tool in tools):
-            raise t.fail("name", f"Two tools are named '{name}': tool names must be unique.")
-        description = t.optional_string("description") or ""
-        parameters = t.obj.get("parameters")
-        if parameters is None:
-            parameters = {"type": "object", "properties": {}}
-        elif not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-            raise t.fail(
-                "parameters",
-                f"'{t.param('parameters')}' must be a JSON Schema object with type 'object'.",
-                "invalid_type" if not isinstance(parameters, dict) else "invalid_value",
-            )
-        tools.append(Tool(name, description, parameters))
-    return tuple(tools)
-
-
-def read_tool_choice(r: Reader) -> ToolChoice:
-    """``auto``, ``none``, ``required``, or ``{type: "function", name}`` (the name, returned)."""
-    value = r.obj["tool_choice"]
-    if value is None:
-        return "auto"
-    if isinstance(value, str):
-        if value not in TOOL_CHOICE_MODES:
-            raise r.fail(
-                "tool_choice",
-                f"'{r.param('tool_choice')}' must be 'auto', 'none', 'required' or "
-                '{"type": "function", "name": ...}.',
-            )
-        return value
-    c = r.child("tool_choice")
-    c.only(frozenset({"type", "name"}))
-    if c.required("type") != "function":
-        raise c.fail(
-            "type", "Only function tools can be chosen (type 'function').", "unsupported_tool_type"
-        )
-    c.required("name")
-    name = c.string("name", max_chars=64)
-    if name in TOOL_CHOICE_MODES:
-        # The engines take the chosen name in the same field as the three modes.
-        raise c.fail("name", f"A function named '{name}' cannot be chosen by name.")
-    return name
 
 
 def _session_update(r: Reader) -> SessionUpdate:
@@ -588,23 +316,6 @@ _RESPONSE_FIELDS = frozenset(
 )
 
 
-def read_metadata(r: Reader) -> dict[str, str] | None:
-    value = r.obj["metadata"]
-    if value is None:
-        return None
-    if (
-        not isinstance(value, dict)
-        or len(value) > MAX_METADATA_PAIRS
-        or not all(
-            isinstance(k, str) and isinstance(v, str) and len(v) <= 512 for k, v in value.items()
-        )
-    ):
-        raise r.fail(
-            "metadata", f"'metadata' must map at most {MAX_METADATA_PAIRS} keys to strings."
-        )
-    return dict(value)
-
-
 def _response_create(r: Reader) -> ResponseCreate:
     r.only(frozenset({"type", "event_id", "response"}))
     if not r.has("response") or r.obj["response"] is None:
@@ -665,42 +376,6 @@ _DECODERS: dict[str, Callable[[Reader], ClientEvent]] = {
 _AUDIO_EVENTS = ("input_audio_buffer.", "output_audio_buffer.")
 
 
-def read_frame(frame: str | bytes) -> tuple[dict[str, Any], str | None, str]:
-    """A client frame's JSON object, its ``event_id`` and its ``type`` (any dialect).
-    Raises :class:`ProtocolError`."""
-    if isinstance(frame, bytes):
-        raise ProtocolError(
-            "binary_frame_not_supported", "Send client events as JSON in text frames, not binary."
-        )
-    try:
-        obj = orjson.loads(frame)
-    except orjson.JSONDecodeError as exc:
-        raise ProtocolError("invalid_json", f"The frame is not valid JSON: {exc}.") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError("invalid_event", "A client event must be a JSON object.")
-    raw_id = obj.get("event_id")
-    event_id = raw_id if isinstance(raw_id, str) and len(raw_id) <= MAX_ID_CHARS else None
-    if "event_id" in obj and raw_id is not None and event_id is None:
-        raise ProtocolError(
-            "invalid_value",
-            "'event_id' must be a string of at most 64 characters.",
-            param="event_id",
-        )
-    event_type = obj.get("type")
-    if event_type is None:
-        raise ProtocolError(
-            "missing_required_parameter",
-            "Missing required parameter: 'type'.",
-            param="type",
-            event_id=event_id,
-        )
-    if not isinstance(event_type, str):
-        raise ProtocolError(
-            "invalid_type", "'type' must be a string.", param="type", event_id=event_id
-        )
-    return obj, event_id, event_type
-
-
 def decode(frame: str | bytes) -> ClientEvent:
     """Parse and validate one client frame. Raises :class:`ProtocolError`."""
     obj, event_id, event_type = read_frame(frame)
@@ -736,33 +411,6 @@ def decode(frame: str | bytes) -> ClientEvent:
         ) from None
 
 
-# ---------------------------------------------------------------------------
-# Server events
-
-
-def encode(event: JSON) -> bytes:
-    return orjson.dumps(event)
-
-
-def event(event_type: str, **fields: Any) -> JSON:
-    """Any server event: its ``type`` and the given fields. The session's outbox adds
-    ``event_id`` and ``sequence_number`` when it writes the event."""
-    return {"type": event_type, **fields}
-
-
-def error_event(err: ProtocolError) -> JSON:
-    return event(
-        "error",
-        error={
-            "type": err.error_type,
-            "code": err.code,
-            "message": err.message,
-            "param": err.param,
-            "event_id": err.event_id,
-        },
-    )
-
-
 def message_item(item_id: str, role: Role, text: str, status: str = "completed") -> JSON:
     part_type = _ROLE_PART[role]
     return {
@@ -773,6 +421,17 @@ def message_item(item_id: str, role: Role, text: str, status: str = "completed")
         "role": role,
         "content": [{"type": part_type, "text": text}],
     }
+
+
+def item_json(item: Item) -> JSON:
+    """A conversation item as the Realtime API shows it (``realtime.item``)."""
+    if item.kind == "function_call":
+        return function_call_item(
+            item.id, item.call_id or "", item.name or "", item.text, item.status
+        )
+    if item.kind == "function_call_output":
+        return function_call_output_item(item.id, item.call_id or "", item.text)
+    return message_item(item.id, item.role, item.text, item.status)
 
 
 def function_call_item(
@@ -798,22 +457,6 @@ def function_call_output_item(item_id: str, call_id: str, output: str) -> JSON:
         "call_id": call_id,
         "output": output,
     }
-
-
-def tools_json(tools: tuple[Tool, ...]) -> list[JSON]:
-    return [
-        {
-            "type": "function",
-            "name": t.name,
-            "description": t.description,
-            "parameters": dict(t.parameters),
-        }
-        for t in tools
-    ]
-
-
-def tool_choice_json(choice: ToolChoice) -> str | JSON:
-    return choice if choice in TOOL_CHOICE_MODES else {"type": "function", "name": choice}
 
 
 def usage_json(usage: Usage | None) -> JSON | None:

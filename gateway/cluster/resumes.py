@@ -3,10 +3,10 @@
 A Realtime client asks with a ``session.resume`` event, first on its new socket; a
 Responses client with the upgrade's headers (or query, for openai-node), answered in the
 upgrade's response (docs/protocol.md, "Resuming"). Either way the session is found here,
-relayed to the worker that holds it (--workers, gateway/relay.py), relayed through the
-store to the process that holds it (gateway/store_relay.py), or taken over from the store
-when its owner is gone (gateway/persistence.py); or the client is told why not and its
-connection goes on with a fresh session.
+relayed to the worker that holds it (--workers, gateway/cluster/worker_relay.py), relayed
+through the store to the process that holds it (gateway/cluster/store_relay.py), or taken
+over from the store when its owner is gone (gateway/cluster/persistence.py); or the client
+is told why not and its connection goes on with a fresh session.
 """
 
 from __future__ import annotations
@@ -24,14 +24,16 @@ from typing import TYPE_CHECKING
 from websockets.asyncio.server import ServerConnection
 from websockets.http11 import Request, Response
 
-from gateway import protocol, relay, store_relay
-from gateway.handshake import refusal
-from gateway.routes import RESPONSES_PATH
-from gateway.wire import CLOSE_TIMEOUT, SocketWire
-from sessions import snapshot
+from gateway.api.routes import RESPONSES_PATH
+from gateway.cluster import store_relay
+from gateway.cluster import worker_relay as relay
+from gateway.transport.head_timers import refusal
+from gateway.transport.wire import CLOSE_TIMEOUT, SocketWire
+from sessions import codec, errors, snapshot
 from sessions.core import Session
-from sessions.realtime import resumed_event
-from sessions.responses import ResponsesDialect, ResponsesFraming
+from sessions.realtime import codec as rt
+from sessions.realtime.dialect import resumed_event
+from sessions.responses.dialect import ResponsesDialect, ResponsesFraming
 
 if TYPE_CHECKING:
     from gateway.server import Gateway
@@ -157,7 +159,7 @@ class Resumes:
 
     async def resume(
         self,
-        event: protocol.SessionResume,
+        event: rt.SessionResume,
         ws: ServerConnection,
         wire: SocketWire,
         fresh: Session,
@@ -167,7 +169,7 @@ class Resumes:
         it: then None once that relay has ended), or tell why not and go on with ``fresh``."""
         if not first:
             await fresh.deliver(
-                protocol.ProtocolError(
+                errors.ProtocolError(
                     "invalid_event",
                     "session.resume must be the first event on a new connection.",
                     event_id=event.event_id,
@@ -187,7 +189,7 @@ class Resumes:
         owner = relay.owner_of(event.session_id)
         if (
             c.worker_dir is not None
-            and gw.store is None  # with a store, the store relays (gateway/store_relay.py)
+            and gw.store is None  # with a store, the store relays (gateway/cluster/store_relay.py)
             and c.resume_window > 0
             and owner is not None
             and owner != relay.owner_tag(c.node, c.worker)
@@ -197,7 +199,7 @@ class Resumes:
             if opened is not None and opened[1].get("type") == "session.resumed":
                 leg, answer = opened
                 _discard(fresh, wire)
-                await wire.write_later(protocol.encode(answer))
+                await wire.write_later(codec.encode(answer))
                 await relay.pipe(ws, wire, leg)
                 # The owner's close code (1001, 4001...) must reach the client before
                 # this handler returns and websockets closes with 1000 on its own.
@@ -217,7 +219,7 @@ class Resumes:
         _discard(fresh, wire)
         return target
 
-    def take_over(self, event: protocol.SessionResume, wire: SocketWire) -> Session | str:
+    def take_over(self, event: rt.SessionResume, wire: SocketWire) -> Session | str:
         """Attach ``wire`` to the session ``event`` names, if its token and replay buffer
         allow; else the error code that says why not."""
         gw = self.gateway
@@ -273,8 +275,8 @@ class Resumes:
         return taken
 
 
-async def _refuse(event: protocol.SessionResume, fresh: Session, code: str) -> Session:
-    error = protocol.ProtocolError(code, RESUME_ERRORS[code], event_id=event.event_id)
+async def _refuse(event: rt.SessionResume, fresh: Session, code: str) -> Session:
+    error = errors.ProtocolError(code, RESUME_ERRORS[code], event_id=event.event_id)
     await fresh.deliver(error)
     return fresh
 

@@ -13,7 +13,7 @@ from enum import Enum
 
 from websockets.datastructures import Headers
 
-from gateway import auth
+from gateway.api import auth
 
 KEY_SUBPROTOCOL = "openai-insecure-api-key."
 # Headers that carry credentials: each at most once, and ASCII (a key is ASCII, and a

@@ -2,7 +2,7 @@
 
 Each numbered frame (a Responses event, already JSON) goes out as one SSE message,
 ``event: TYPE`` then ``data: JSON``, written straight to the transport while it has
-room (as :class:`~gateway.wire.SocketWire` does for a WebSocket), and through
+room (as :class:`~gateway.transport.wire.SocketWire` does for a WebSocket), and through
 ``drain`` when the client reads slowly. The stream is over once a terminal event
 (``response.completed``, ``.incomplete``, ``.failed``) went out, or the outbox closed
 the wire: :attr:`over` tells the route handler, which then ends the HTTP response.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from gateway.http1 import ClientDisconnected, HttpReply
+from gateway.transport.http1 import ClientDisconnected, HttpReply
 
 TERMINAL_TYPES = (b"response.completed", b"response.incomplete", b"response.failed")
 _TYPE = b'"type":"'

@@ -3,7 +3,7 @@
 Every ``POST`` gets a session of its own (the session core with the Responses dialect,
 one response in it, events numbered from 0), so streaming, cancel, the replay buffer
 and the response store are the WebSocket's. Its outbox writes to an
-:class:`~gateway.sse.SseWire` (``stream: true``), or to nothing while the handler
+:class:`~gateway.transport.sse.SseWire` (``stream: true``), or to nothing while the handler
 waits for the end (``stream: false``). A plain response lives as long as its request:
 a client that disconnects aborts it in the engine within a step. A background one
 (``background: true``) lives on without a connection; its session is kept
@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gateway import protocol as p
-from gateway import responses_protocol as rp
-from gateway.http1 import HttpReply, HttpRequest
-from gateway.router import Router
-from gateway.sse import SseWire
+from gateway.transport.http1 import HttpReply, HttpRequest
+from gateway.transport.router import Router
+from gateway.transport.sse import SseWire
+from sessions import codec, errors
 from sessions.conversation import Item
 from sessions.core import Session
 from sessions.response_store import StoredResponse
-from sessions.responses import ResponsesDialect, ResponsesFraming
+from sessions.responses import codec as rp
+from sessions.responses.dialect import ResponsesDialect, ResponsesFraming
 
 if TYPE_CHECKING:
     from gateway.server import Gateway
@@ -47,25 +47,25 @@ BACKGROUND_REPLAY_BYTES = 4 << 20  # a background response's events, for startin
 
 
 class _Waiter:
-    """The HTTP side of one response (a :class:`~sessions.responses.ResponseObserver`)."""
+    """The HTTP side of one response (a :class:`~sessions.responses.dialect.ResponseObserver`)."""
 
     def __init__(self) -> None:
         loop = asyncio.get_running_loop()
-        self.start: asyncio.Future[p.JSON] = loop.create_future()
-        self.end: asyncio.Future[p.JSON] = loop.create_future()
-        self.body: p.JSON | None = None  # the latest Response object
+        self.start: asyncio.Future[codec.JSON] = loop.create_future()
+        self.end: asyncio.Future[codec.JSON] = loop.create_future()
+        self.body: codec.JSON | None = None  # the latest Response object
 
-    def started(self, body: p.JSON) -> None:
+    def started(self, body: codec.JSON) -> None:
         self.body = body
         if not self.start.done():
             self.start.set_result(body)
 
-    def ended(self, body: p.JSON) -> None:
+    def ended(self, body: codec.JSON) -> None:
         self.body = body
         if not self.end.done():
             self.end.set_result(body)
 
-    def refused(self, err: p.ProtocolError) -> None:
+    def refused(self, err: errors.ProtocolError) -> None:
         if not self.start.done():
             self.start.set_exception(err)
 
@@ -108,7 +108,7 @@ class ResponsesHttp:
             return
         try:
             body = await self._read_body(request)
-        except p.ProtocolError as err:
+        except errors.ProtocolError as err:
             _error(reply, err)
             return
         waiter = _Waiter()
@@ -120,7 +120,7 @@ class ResponsesHttp:
         await session.deliver(rp.Create(body))
         try:
             started = await waiter.start
-        except p.ProtocolError as err:
+        except errors.ProtocolError as err:
             session.close("disconnected")
             _error(reply, err)
             return
@@ -140,25 +140,27 @@ class ResponsesHttp:
         try:
             obj = orjson.loads(request.body)
         except orjson.JSONDecodeError as exc:
-            raise p.ProtocolError("invalid_json", f"The body is not valid JSON: {exc}.") from None
+            raise errors.ProtocolError(
+                "invalid_json", f"The body is not valid JSON: {exc}."
+            ) from None
         if not isinstance(obj, dict):
-            raise p.ProtocolError("invalid_value", "The body must be a JSON object.")
+            raise errors.ProtocolError("invalid_value", "The body must be a JSON object.")
         if "stream_id" in obj:
-            raise p.ProtocolError(
+            raise errors.ProtocolError(
                 "unknown_parameter",
                 "'stream_id' names a lane of the Responses WebSocket; HTTP has none.",
                 param="stream_id",
             )
         body = rp.read_create(obj)
         if body.background and not body.store:
-            raise p.ProtocolError(
+            raise errors.ProtocolError(
                 "invalid_value",
                 "A background response must be stored: drop 'store: false'.",
                 param="store",
             )
         wanted = body.previous_response_id
         if wanted is not None and await self._find(wanted) is None:
-            raise p.ProtocolError(
+            raise errors.ProtocolError(
                 "previous_response_not_found",
                 f"Previous response with id '{wanted}' not found.",
                 param="previous_response_id",
@@ -172,7 +174,7 @@ class ResponsesHttp:
         if code is not None:
             _error(
                 reply,
-                p.ProtocolError(
+                errors.ProtocolError(
                     code,
                     "Those events are no longer kept: retrieve the response without stream.",
                     param="starting_after",
@@ -207,7 +209,7 @@ class ResponsesHttp:
             if not after.lstrip("-").isdigit() or int(after) < -1:
                 _error(
                     reply,
-                    p.ProtocolError(
+                    errors.ProtocolError(
                         "invalid_value",
                         "'starting_after' must be an integer.",
                         param="starting_after",
@@ -237,7 +239,9 @@ class ResponsesHttp:
             elif not stored.body.get("background"):
                 _error(
                     reply,
-                    p.ProtocolError("invalid_value", "Only background responses can be cancelled."),
+                    errors.ProtocolError(
+                        "invalid_value", "Only background responses can be cancelled."
+                    ),
                 )
             else:
                 reply.send_json(200, stored.body)  # over already: as it ended
@@ -271,7 +275,8 @@ class ResponsesHttp:
         order = request.arg("order", "desc")
         if order not in ("asc", "desc"):
             _error(
-                reply, p.ProtocolError("invalid_value", "'order' is asc or desc.", param="order")
+                reply,
+                errors.ProtocolError("invalid_value", "'order' is asc or desc.", param="order"),
             )
             return
         if order == "desc":
@@ -283,7 +288,9 @@ class ResponsesHttp:
         limit_text = request.arg("limit", "20") or "20"
         limit = int(limit_text) if limit_text.isdigit() else 0
         if not 1 <= limit <= 100:
-            _error(reply, p.ProtocolError("invalid_value", "'limit' is 1 to 100.", param="limit"))
+            _error(
+                reply, errors.ProtocolError("invalid_value", "'limit' is 1 to 100.", param="limit")
+            )
             return
         page = items[:limit]
         reply.send_json(
@@ -304,7 +311,7 @@ class ResponsesHttp:
         refused = self.gateway.refuse_http(request.headers, need_engine=engine)
         if refused is None:
             return False
-        err = p.ProtocolError(refused.code, refused.message, error_type=refused.error_type)
+        err = errors.ProtocolError(refused.code, refused.message, error_type=refused.error_type)
         reply.send_json(refused.status, _error_body(err), refused.headers)
         return True
 
@@ -351,7 +358,7 @@ class ResponsesHttp:
                 del self.background[response_id]
 
 
-def _error_body(err: p.ProtocolError) -> dict[str, Any]:
+def _error_body(err: errors.ProtocolError) -> dict[str, Any]:
     return {
         "error": {
             "message": err.message,
@@ -362,7 +369,7 @@ def _error_body(err: p.ProtocolError) -> dict[str, Any]:
     }
 
 
-def _error(reply: HttpReply, err: p.ProtocolError) -> None:
+def _error(reply: HttpReply, err: errors.ProtocolError) -> None:
     status = rp.http_status(err)
     headers = {"Retry-After": "1"} if status in (429, 503) else None
     reply.send_json(status, _error_body(err), headers)
@@ -375,10 +382,10 @@ def _not_found(reply: HttpReply, response_id: str, *, stream: bool = False) -> N
         if stream
         else f"Response with id '{response_id}' not found."
     )
-    reply.send_json(404, _error_body(p.ProtocolError("response_not_found", message)))
+    reply.send_json(404, _error_body(errors.ProtocolError("response_not_found", message)))
 
 
-def _item_json(item: Item) -> p.JSON:
+def _item_json(item: Item) -> codec.JSON:
     """An input item as ``GET .../input_items`` lists it (openai-python's ResponseItem)."""
     if item.kind == "function_call":
         return rp.function_call_json(

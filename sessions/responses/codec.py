@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from gateway.engines.base import Role, Tool, ToolChoice
-from gateway.protocol import (
+from sessions.codec import (
     JSON,
     MAX_ID_CHARS,
     PENALTY_RANGE,
@@ -25,7 +25,6 @@ from gateway.protocol import (
     FunctionCallOutputSpec,
     FunctionCallSpec,
     ItemSpec,
-    ProtocolError,
     Reader,
     Unset,
     read_frame,
@@ -33,6 +32,7 @@ from gateway.protocol import (
     read_tool_choice,
     read_tools,
 )
+from sessions.errors import ProtocolError
 
 log = logging.getLogger(__name__)
 

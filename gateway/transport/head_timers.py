@@ -5,7 +5,7 @@ WebSocket handshake.
 oldest first. Such a connection costs a file descriptor and may never send anything
 (a browser's preconnect, a load balancer's probe, an attack): beyond
 ``--max-handshakes`` the oldest is dropped, and shutdown aborts them all at once
-instead of waiting for each one's handshake timeout. gateway/http1.py adds a
+instead of waiting for each one's handshake timeout. gateway/transport/http1.py adds a
 connection when it is accepted and discards it when its first request head is whole;
 the handshake timeout itself is that module's timer.
 """

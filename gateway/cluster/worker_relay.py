@@ -26,7 +26,8 @@ from websockets.asyncio.client import ClientConnection, unix_connect
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
-from gateway import protocol
+from sessions import codec
+from sessions.realtime import codec as rt
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,8 @@ def worker_of(tag: str) -> str:
 
 
 async def open_leg(
-    worker_dir: str, worker: str, event: protocol.SessionResume
-) -> tuple[ClientConnection, protocol.JSON] | None:
+    worker_dir: str, worker: str, event: rt.SessionResume
+) -> tuple[ClientConnection, codec.JSON] | None:
     """Ask ``worker`` to resume; the inner connection and its answer, or None when that
     worker cannot be reached (it is gone: the session went with it)."""
     path = socket_path(worker_dir, worker)
@@ -80,14 +81,14 @@ async def open_leg(
                 str(path), uri="ws://worker/v1/realtime", compression=None, max_size=None
             )
             await leg.send(_resume_frame(event))
-            answer: protocol.JSON = orjson.loads(await leg.recv())
+            answer: codec.JSON = orjson.loads(await leg.recv())
     except (OSError, TimeoutError, InvalidHandshake, ConnectionClosed, orjson.JSONDecodeError):
         log.info("relay: worker %s cannot be reached at %s", worker, path)
         return None
     return leg, answer
 
 
-def _resume_frame(event: protocol.SessionResume) -> str:
+def _resume_frame(event: rt.SessionResume) -> str:
     return orjson.dumps(
         {
             "type": "session.resume",

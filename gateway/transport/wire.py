@@ -25,7 +25,7 @@ KERNEL_SEND_BUFFER = 64 << 10  # per connection (Linux doubles it for bookkeepin
 
 class Hold(Protocol):
     """What a socket's writes wait for before they reach the client: the session store's
-    flush (gateway/session_store.py), so that no client sees a frame the store lacks."""
+    flush (gateway/cluster/redis_store.py), so that no client sees a frame the store lacks."""
 
     up: bool  # False: nothing to wait for (memory-only meanwhile)
 

@@ -1,4 +1,4 @@
-"""What a gateway does with a Redis session store (gateway/session_store.py).
+"""What a gateway does with a Redis session store (gateway/cluster/redis_store.py).
 
 - Every session it opens is saved: its frames go to the event log as they are numbered
   (the outbox's ``on_sent``), its state after each turn of its actor (``on_change``),
@@ -9,7 +9,7 @@
   log the client missed and continues its answers in flight; if the owner is alive
   (another host or worker), this process **relays**: it replays from the log, tails
   the live frames from Redis and forwards the client's frames to the owner over the
-  owner's pub/sub channel (gateway/store_relay.py). With a store this is the one relay
+  owner's pub/sub channel (gateway/cluster/store_relay.py). With a store this is the one relay
   mechanism, between workers too (the Unix-socket relay is for the memory store).
 - At a drain (:meth:`Persistence.hand_over`) every session is saved once more with its
   answers in flight, its lease released, and its hooks cut, so that what the local
@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING
 import orjson
 from redis.exceptions import RedisError
 
-from gateway.session_store import Loaded, RedisStore
-from gateway.wire import SocketWire
+from gateway.cluster.redis_store import Loaded, RedisStore
+from gateway.transport.wire import SocketWire
 from sessions import snapshot
 from sessions.core import Dialect, Session
 from sessions.outbox import Framing
-from sessions.realtime import RealtimeDialect, RealtimeFraming
+from sessions.realtime.dialect import RealtimeDialect, RealtimeFraming
 from sessions.response_store import StoredResponse
-from sessions.responses import ResponsesDialect, ResponsesFraming
+from sessions.responses.dialect import ResponsesDialect, ResponsesFraming
 
 if TYPE_CHECKING:
     from gateway.server import Gateway

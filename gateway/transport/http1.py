@@ -39,7 +39,7 @@ from websockets.asyncio.server import Server, ServerConnection
 from websockets.datastructures import Headers
 from websockets.server import ServerProtocol
 
-from gateway.handshake import Pending
+from gateway.transport.head_timers import Pending
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import orjson
 
-from gateway import protocol as p
 from gateway.engines.base import TOOL_CHOICE_MODES, Message, SamplingParams, Tool, ToolChoice
 from gateway.scheduler import Outcome
+from sessions import codec, errors
 from sessions.conversation import Item, items_to_messages
 from sessions.core import (
     CallState,
@@ -28,6 +28,7 @@ from sessions.core import (
     SessionConfig,
     item_status,
 )
+from sessions.realtime import codec as rt
 
 _DELTA_HEAD = b'{"type":"response.output_text.delta","event_id":"event_'
 _DELTA_INDEXES = b',"output_index":0,"content_index":0,"delta":'
@@ -79,7 +80,7 @@ class RealtimeFraming:
 class RealtimeDialect:
     """A session's Realtime half (see the module docstring)."""
 
-    decode = staticmethod(p.decode)
+    decode = staticmethod(rt.decode)
 
     def __init__(self) -> None:
         self._core: Session | None = None
@@ -96,7 +97,7 @@ class RealtimeDialect:
         if not greet:
             return
         core.outbox.put(
-            p.event(
+            codec.event(
                 "session.created",
                 session=self.session_json(),
                 resume_token=core.resume_token,
@@ -124,41 +125,41 @@ class RealtimeDialect:
 
     def handle(self, command: object) -> None:
         match command:
-            case p.SessionUpdate():
+            case rt.SessionUpdate():
                 self._session_update(command)
-            case p.ItemCreate():
+            case rt.ItemCreate():
                 self._item_create(command)
-            case p.ItemDelete():
+            case rt.ItemDelete():
                 self._item_delete(command)
-            case p.ItemRetrieve():
+            case rt.ItemRetrieve():
                 self._item_retrieve(command)
-            case p.ResponseCreate():
+            case rt.ResponseCreate():
                 self._response_create(command)
-            case p.ResponseCancel():
+            case rt.ResponseCancel():
                 self._response_cancel(command)
 
-    def error(self, err: p.ProtocolError) -> None:
-        self.core.outbox.put(p.error_event(err))
+    def error(self, err: errors.ProtocolError) -> None:
+        self.core.outbox.put(codec.error_event(err))
 
     # -- session and conversation ----------------------------------------------
 
-    def session_json(self) -> p.JSON:
+    def session_json(self) -> codec.JSON:
         return session_json(self.core.id, self.core.config)
 
-    def _session_update(self, event: p.SessionUpdate) -> None:
+    def _session_update(self, event: rt.SessionUpdate) -> None:
         core = self.core
         changes = {k: getattr(event.patch, k) for k in event.patch.__slots__}
-        config = replace(core.config, **{k: v for k, v in changes.items() if v != p.UNSET})
+        config = replace(core.config, **{k: v for k, v in changes.items() if v != codec.UNSET})
         check_named_choice(config.tools, config.tool_choice, "session", event.event_id)
         core.config = config
-        core.outbox.put(p.event("session.updated", session=self.session_json()))
+        core.outbox.put(codec.event("session.updated", session=self.session_json()))
 
-    def _item_create(self, event: p.ItemCreate) -> None:
+    def _item_create(self, event: rt.ItemCreate) -> None:
         core = self.core
         conversation = core.conversation
         spec, previous = event.item, event.previous_item_id
         if spec.id is not None and spec.id in conversation:
-            raise p.ProtocolError(
+            raise errors.ProtocolError(
                 "duplicate_item_id",
                 f"An item with id '{spec.id}' already exists.",
                 param="item.id",
@@ -166,7 +167,9 @@ class RealtimeDialect:
             )
         if previous not in (None, "root") and previous not in conversation:
             raise _not_found(previous, "previous_item_id", event.event_id)
-        if isinstance(spec, p.FunctionCallOutputSpec) and not conversation.has_call(spec.call_id):
+        if isinstance(spec, codec.FunctionCallOutputSpec) and not conversation.has_call(
+            spec.call_id
+        ):
             raise call_not_found(spec.call_id, "item.call_id", event.event_id)
         item = item_from_spec(spec, spec.id or core.free_item_id())
         self._check_room(event.event_id, len(item.text))
@@ -174,7 +177,7 @@ class RealtimeDialect:
         conversation.insert(item, previous)
         prev = None if before == "root" else before
         for kind in ("conversation.item.added", "conversation.item.done"):
-            core.outbox.put(p.event(kind, previous_item_id=prev, item=item.to_json()))
+            core.outbox.put(codec.event(kind, previous_item_id=prev, item=rt.item_json(item)))
 
     def _check_room(self, event_id: str | None, chars: int = 0) -> None:
         """Refuse what would take the conversation past its item or text limit."""
@@ -182,40 +185,40 @@ class RealtimeDialect:
         if len(conversation) >= limits.max_items or (
             conversation.chars + chars > limits.max_conversation_chars
         ):
-            raise p.ProtocolError(
+            raise errors.ProtocolError(
                 "conversation_full",
                 f"The conversation holds at most {limits.max_items} items and "
                 f"{limits.max_conversation_chars} characters; delete some items.",
                 event_id=event_id,
             )
 
-    def _item_delete(self, event: p.ItemDelete) -> None:
+    def _item_delete(self, event: rt.ItemDelete) -> None:
         conversation = self.core.conversation
         item = conversation.get(event.item_id)
         if item is None:
             raise _not_found(event.item_id, "item_id", event.event_id)
         if item.status == "in_progress":
-            raise p.ProtocolError(
+            raise errors.ProtocolError(
                 "item_in_progress",
                 "That item is still being generated; cancel the response first.",
                 param="item_id",
                 event_id=event.event_id,
             )
         conversation.delete(event.item_id)
-        self.core.outbox.put(p.event("conversation.item.deleted", item_id=event.item_id))
+        self.core.outbox.put(codec.event("conversation.item.deleted", item_id=event.item_id))
 
-    def _item_retrieve(self, event: p.ItemRetrieve) -> None:
+    def _item_retrieve(self, event: rt.ItemRetrieve) -> None:
         item = self.core.conversation.get(event.item_id)
         if item is None:
             raise _not_found(event.item_id, "item_id", event.event_id)
-        self.core.outbox.put(p.event("conversation.item.retrieved", item=item.to_json()))
+        self.core.outbox.put(codec.event("conversation.item.retrieved", item=rt.item_json(item)))
 
     # -- responses ---------------------------------------------------------------
 
-    def _response_create(self, event: p.ResponseCreate) -> None:
+    def _response_create(self, event: rt.ResponseCreate) -> None:
         core, params = self.core, event.params
         if not params.out_of_band and self._in_conversation is not None:
-            raise p.ProtocolError(
+            raise errors.ProtocolError(
                 "conversation_already_has_active_response",
                 f"Conversation already has an active response in progress: "
                 f"{self._in_conversation.id}. Wait until it is done, or cancel it.",
@@ -224,7 +227,7 @@ class RealtimeDialect:
         limit = core.limits.max_parallel_out_of_band
         out_of_band = sum(not r.in_conversation for r in core.responses)
         if params.out_of_band and out_of_band >= limit:
-            raise p.ProtocolError(
+            raise errors.ProtocolError(
                 "too_many_parallel_responses",
                 f"At most {limit} out-of-band responses may run at once per session.",
                 event_id=event.event_id,
@@ -234,7 +237,7 @@ class RealtimeDialect:
         response = core.start_response(self._spec(params, event.event_id))
         if response is None:
             core.error(
-                p.ProtocolError(
+                errors.ProtocolError(
                     "overloaded",
                     "The gateway is at capacity (every engine slot and queue place is taken); "
                     "retry shortly.",
@@ -247,12 +250,12 @@ class RealtimeDialect:
         if not params.out_of_band:
             self._in_conversation = response
 
-    def _spec(self, params: p.ResponseParams, event_id: str | None) -> ResponseSpec:
+    def _spec(self, params: rt.ResponseParams, event_id: str | None) -> ResponseSpec:
         core = self.core
         c = core.config
 
         def pick(value: Any, default: Any) -> Any:
-            return default if value == p.UNSET else value
+            return default if value == codec.UNSET else value
 
         instructions: str = pick(params.instructions, c.instructions)
         sampling = SamplingParams(
@@ -266,7 +269,7 @@ class RealtimeDialect:
         )
         tools: tuple[Tool, ...] = pick(params.tools, c.tools)
         tool_choice: ToolChoice = pick(params.tool_choice, c.tool_choice)
-        where = "response" if params.tool_choice != p.UNSET else "session"
+        where = "response" if params.tool_choice != codec.UNSET else "session"
         check_tool_choice(tools, tool_choice, where, event_id)
         if params.input is not None:
             history = items_to_messages(input_items(params.input, "response.input", event_id))
@@ -288,9 +291,9 @@ class RealtimeDialect:
         r: ResponseState,
         status: str,
         details: dict[str, Any] | None = None,
-        output: list[p.JSON] | None = None,
-        usage: p.JSON | None = None,
-    ) -> p.JSON:
+        output: list[codec.JSON] | None = None,
+        usage: codec.JSON | None = None,
+    ) -> codec.JSON:
         return {
             "object": "realtime.response",
             "id": r.id,
@@ -311,7 +314,7 @@ class RealtimeDialect:
 
     def response_started(self, r: ResponseState) -> None:
         self.core.outbox.put(
-            p.event("response.created", response=self._response_json(r, "in_progress"))
+            codec.event("response.created", response=self._response_json(r, "in_progress"))
         )
         self._put_rate_limits()
 
@@ -319,17 +322,17 @@ class RealtimeDialect:
         """``rate_limits.updated``: the scheduler's capacity now (docs/protocol.md)."""
         s = self.core.scheduler
         limit = s.max_running + s.max_queued
-        limits: list[p.JSON] = [
+        limits: list[codec.JSON] = [
             {"name": "requests", "limit": limit, "remaining": max(0, limit - s.running - s.queued)}
         ]
         window = s.engine.context_window
         if window is not None:
             limits.append({"name": "tokens", "limit": window})
-        self.core.outbox.put(p.event("rate_limits.updated", rate_limits=limits))
+        self.core.outbox.put(codec.event("rate_limits.updated", rate_limits=limits))
 
     def text_opened(self, r: ResponseState) -> None:
-        put, ev = self.core.outbox.put, p.event
-        item_json = p.message_item(r.item_id, "assistant", "", "in_progress")
+        put, ev = self.core.outbox.put, codec.event
+        item_json = rt.message_item(r.item_id, "assistant", "", "in_progress")
         item_json["content"] = []
         put(
             ev(
@@ -354,7 +357,7 @@ class RealtimeDialect:
 
     def text_delta(self, r: ResponseState, text: str) -> None:
         self.core.outbox.put(
-            p.event(
+            codec.event(
                 "response.output_text.delta",
                 response_id=r.id,
                 item_id=r.item_id,
@@ -366,10 +369,10 @@ class RealtimeDialect:
 
     def call_opened(self, r: ResponseState, call: CallState) -> None:
         item = Item.function_call(call.item_id, call.call_id, call.name, "", "in_progress")
-        item_json = item.to_json()
+        item_json = rt.item_json(item)
         put = self.core.outbox.put
         put(
-            p.event(
+            codec.event(
                 "response.output_item.added",
                 response_id=r.id,
                 output_index=call.output_index,
@@ -378,7 +381,7 @@ class RealtimeDialect:
         )
         if r.in_conversation:
             put(
-                p.event(
+                codec.event(
                     "conversation.item.added",
                     previous_item_id=call.previous_item_id,
                     item=item_json,
@@ -387,7 +390,7 @@ class RealtimeDialect:
 
     def call_delta(self, r: ResponseState, call: CallState, arguments: str) -> None:
         self.core.outbox.put(
-            p.event(
+            codec.event(
                 "response.function_call_arguments.delta",
                 response_id=r.id,
                 item_id=call.item_id,
@@ -397,7 +400,7 @@ class RealtimeDialect:
             )
         )
 
-    def _response_cancel(self, event: p.ResponseCancel) -> None:
+    def _response_cancel(self, event: rt.ResponseCancel) -> None:
         target = self._cancel_target(event.response_id)
         if target is None:
             what = (
@@ -405,7 +408,7 @@ class RealtimeDialect:
                 if event.response_id
                 else ("no response is active")
             )
-            raise p.ProtocolError(
+            raise errors.ProtocolError(
                 "response_cancel_not_active",
                 f"Cancellation failed: {what}.",
                 param="response_id" if event.response_id else None,
@@ -426,24 +429,26 @@ class RealtimeDialect:
             self._in_conversation = None
         if outcome.error is not None:
             error = outcome.error
-            self.core.error(p.ProtocolError(error.code, error.message, error_type=error.error_type))
+            self.core.error(
+                errors.ProtocolError(error.code, error.message, error_type=error.error_type)
+            )
         # Each output item's closing events: the message's first, then the calls'.
         status = item_status(outcome)
-        closings: list[tuple[int, p.JSON]] = []
+        closings: list[tuple[int, codec.JSON]] = []
         if r.text_index is not None:
             closings.append((r.text_index, self._close_text(r, outcome.text, status)))
         for call in r.calls.values():
             closings.append((call.output_index, self._close_call(r, call, status)))
         closings.sort(key=lambda closing: closing[0])
         details = status_details(outcome)
-        usage = p.usage_json(outcome.usage)
+        usage = rt.usage_json(outcome.usage)
         output = [item for _, item in closings]
         body = self._response_json(r, outcome.status, details, output, usage)
-        self.core.outbox.put(p.event("response.done", response=body))
+        self.core.outbox.put(codec.event("response.done", response=body))
 
-    def _close_text(self, r: ResponseState, text: str, status: str) -> p.JSON:
+    def _close_text(self, r: ResponseState, text: str, status: str) -> codec.JSON:
         assert r.text_index is not None
-        put, ev = self.core.outbox.put, p.event
+        put, ev = self.core.outbox.put, codec.event
         ids = {
             "response_id": r.id,
             "item_id": r.item_id,
@@ -452,7 +457,7 @@ class RealtimeDialect:
         }
         put(ev("response.output_text.done", **ids, text=text))
         put(ev("response.content_part.done", **ids, part={"type": "text", "text": text}))
-        item_json = p.message_item(r.item_id, "assistant", text, status)
+        item_json = rt.message_item(r.item_id, "assistant", text, status)
         put(
             ev(
                 "response.output_item.done",
@@ -465,8 +470,8 @@ class RealtimeDialect:
             put(ev("conversation.item.done", previous_item_id=r.previous_item_id, item=item_json))
         return item_json
 
-    def _close_call(self, r: ResponseState, call: CallState, status: str) -> p.JSON:
-        put, ev = self.core.outbox.put, p.event
+    def _close_call(self, r: ResponseState, call: CallState, status: str) -> codec.JSON:
+        put, ev = self.core.outbox.put, codec.event
         arguments = call.arguments
         put(
             ev(
@@ -479,7 +484,7 @@ class RealtimeDialect:
                 arguments=arguments,
             )
         )
-        item_json = p.function_call_item(call.item_id, call.call_id, call.name, arguments, status)
+        item_json = rt.function_call_item(call.item_id, call.call_id, call.name, arguments, status)
         put(
             ev(
                 "response.output_item.done",
@@ -495,7 +500,7 @@ class RealtimeDialect:
         return item_json
 
 
-def session_json(session_id: str, c: SessionConfig) -> p.JSON:
+def session_json(session_id: str, c: SessionConfig) -> codec.JSON:
     """The ``session`` object of ``session.created``, ``.updated`` and ``.resumed``."""
     return {
         "object": "realtime.session",
@@ -511,17 +516,17 @@ def session_json(session_id: str, c: SessionConfig) -> p.JSON:
         "stop": list(c.stop),
         "frequency_penalty": c.frequency_penalty,
         "presence_penalty": c.presence_penalty,
-        "tools": p.tools_json(c.tools),
-        "tool_choice": p.tool_choice_json(c.tool_choice),
+        "tools": codec.tools_json(c.tools),
+        "tool_choice": codec.tool_choice_json(c.tool_choice),
     }
 
 
 def resumed_event(session_id: str, config: SessionConfig, resume_token: str) -> bytes:
     """``session.resumed`` (never numbered: it is not part of the session's events)."""
-    return p.encode(
-        p.event(
+    return codec.encode(
+        codec.event(
             "session.resumed",
-            event_id=p.new_id("event"),
+            event_id=codec.new_id("event"),
             session=session_json(session_id, config),
             resume_token=resume_token,
         )
@@ -549,8 +554,8 @@ def status_details(outcome: Outcome) -> dict[str, Any]:
     return _STATUS_REASON[outcome.status]
 
 
-def _not_found(item_id: str, param: str, event_id: str | None) -> p.ProtocolError:
-    return p.ProtocolError(
+def _not_found(item_id: str, param: str, event_id: str | None) -> errors.ProtocolError:
+    return errors.ProtocolError(
         "item_not_found",
         f"No item with id '{item_id}' in the conversation.",
         param=param,
@@ -558,16 +563,16 @@ def _not_found(item_id: str, param: str, event_id: str | None) -> p.ProtocolErro
     )
 
 
-def item_from_spec(spec: p.AnyItemSpec, item_id: str) -> Item:
-    if isinstance(spec, p.FunctionCallSpec):
+def item_from_spec(spec: codec.AnyItemSpec, item_id: str) -> Item:
+    if isinstance(spec, codec.FunctionCallSpec):
         return Item.function_call(item_id, spec.call_id, spec.name, spec.arguments, "completed")
-    if isinstance(spec, p.FunctionCallOutputSpec):
+    if isinstance(spec, codec.FunctionCallOutputSpec):
         return Item.function_call_output(item_id, spec.call_id, spec.output)
     return Item(item_id, spec.role, spec.text)
 
 
 def input_items(
-    specs: tuple[p.AnyItemSpec, ...],
+    specs: tuple[codec.AnyItemSpec, ...],
     param: str,
     event_id: str | None,
     history: tuple[Item, ...] = (),
@@ -582,8 +587,8 @@ def input_items(
     return items
 
 
-def call_not_found(call_id: str, param: str, event_id: str | None) -> p.ProtocolError:
-    return p.ProtocolError(
+def call_not_found(call_id: str, param: str, event_id: str | None) -> errors.ProtocolError:
+    return errors.ProtocolError(
         "call_not_found",
         f"No function_call with call_id '{call_id}' to answer: add the call first.",
         param=param,
@@ -598,7 +603,7 @@ def check_named_choice(
     if choice in TOOL_CHOICE_MODES or any(t.name == choice for t in tools):
         return
     prefix = f"{where}." if where else ""
-    raise p.ProtocolError(
+    raise errors.ProtocolError(
         "invalid_value",
         f"'{prefix}tool_choice' names the function '{choice}', which is not in the tools.",
         param=f"{prefix}tool_choice.name",
@@ -613,7 +618,7 @@ def check_tool_choice(
     check_named_choice(tools, choice, where, event_id)
     if choice == "required" and not tools:
         prefix = f"{where}." if where else ""
-        raise p.ProtocolError(
+        raise errors.ProtocolError(
             "invalid_value",
             f"'{prefix}tool_choice' is 'required' but there are no tools to call.",
             param=f"{prefix}tool_choice",
