@@ -17,7 +17,7 @@ import pytest
 
 from gateway.__main__ import LOOP_ENV_VAR, LOOPS, default_loop
 from gateway.engines.sim import SimEngine
-from tests.harness import RunningGateway, running_gateway
+from tests.support.harness import RunningGateway, running_gateway
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

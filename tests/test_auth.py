@@ -21,7 +21,7 @@ from websockets.sync.client import connect as sync_connect
 
 from gateway.api import auth
 from gateway.engines.sim import SimEngine
-from tests.harness import RawClient, RunningGateway, running_gateway
+from tests.support.harness import RawClient, RunningGateway, running_gateway
 from tests.test_workers import free_port, wait_until_serving
 
 SECRETS = "/v1/realtime/client_secrets"

@@ -49,9 +49,9 @@ except ImportError:  # a test dependency; CI must have it, a bare checkout may n
 
 from gateway.engines.base import SamplingParams
 from gateway.engines.sim import SimEngine
-from tests.gateway_processes import RollingPair
-from tests.harness import RunningGateway, running_gateway
-from tests.redis_server import RedisServer, redis_server_fixture  # noqa: F401
+from tests.support.gateway_processes import RollingPair
+from tests.support.harness import RunningGateway, running_gateway
+from tests.support.redis_server import RedisServer, redis_server_fixture  # noqa: F401
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 WAIT_MS = 10_000  # upper bound for any one awaited condition; they normally take milliseconds

@@ -34,7 +34,7 @@ import gateway.client as gc
 from gateway.client import cli
 from gateway.client.resume import Cursor, Unconfirmed, backoff, is_drop, resume_url
 from gateway.engines.sim import SimEngine
-from tests.harness import RawClient, RunningGateway, running_gateway
+from tests.support.harness import RawClient, RunningGateway, running_gateway
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 20.0

@@ -27,8 +27,8 @@ from gateway.engines.base import EngineError, Usage
 from gateway.engines.sim import SimEngine
 from gateway.scheduler import CancelReason, Outcome
 from sessions.realtime.dialect import status_details
-from tests.harness import RawClient, running_gateway
-from tests.scripted_engine import ScriptedEngine, text_then_two_calls
+from tests.support.harness import RawClient, running_gateway
+from tests.support.scripted_engine import ScriptedEngine, text_then_two_calls
 from tests.test_tools import TIME, WEATHER, output_item, respond_all, set_tools
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,7 +19,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from gateway.engines.sim import SimEngine
-from tests.harness import TIMEOUT, RawClient, RunningGateway, running_gateway
+from tests.support.harness import TIMEOUT, RawClient, RunningGateway, running_gateway
 
 
 async def test_health_and_routes(gw: RunningGateway) -> None:

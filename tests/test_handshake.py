@@ -24,7 +24,7 @@ from gateway.__main__ import (
 from gateway.config import GatewayConfig
 from gateway.engines.sim import SimEngine
 from gateway.server import Gateway
-from tests.harness import RawClient, running_gateway
+from tests.support.harness import RawClient, running_gateway
 from tests.test_shutdown import free_port, wait_ready
 
 UPGRADE = (

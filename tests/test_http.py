@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tests.harness import RawClient, RunningGateway
+from tests.support.harness import RawClient, RunningGateway
 
 ROUTES = ["/", "/static/app.js", "/healthz", "/readyz", "/metrics", "/v1/realtime", "/nope"]
 

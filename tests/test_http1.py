@@ -22,7 +22,7 @@ from gateway.engines.sim import SimEngine
 from gateway.server import Gateway
 from gateway.transport.http1 import ClientDisconnected, HttpReply, HttpRequest
 from gateway.transport.router import Router
-from tests.harness import RawClient
+from tests.support.harness import RawClient
 
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 CHUNK = b"data: " + b"x" * 65536 + b"\n\n"

@@ -10,7 +10,7 @@ import pytest
 from gateway.engines.sim import SimEngine
 from sessions import codec
 from sessions.conversation import Conversation, DuplicateItemId, Item
-from tests.harness import RawClient, running_gateway
+from tests.support.harness import RawClient, running_gateway
 
 
 def message(text: str, item_id: str | None = None) -> dict[str, Any]:

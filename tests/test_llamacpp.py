@@ -47,8 +47,8 @@ from gateway.engines.llamacpp import (
     LlamaSampler,
     bundled_model_path,
 )
-from tests.harness import RawClient, RunningGateway, running_gateway
-from tests.responses_harness import ResponsesClient
+from tests.support.harness import RawClient, RunningGateway, running_gateway
+from tests.support.responses_harness import ResponsesClient
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("xllamacpp") is None

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.engines.sim import SimEngine
-from tests.harness import RawClient, RunningGateway, running_gateway
+from tests.support.harness import RawClient, RunningGateway, running_gateway
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from sessions.outbox import CloseRequest, Outbox, ReplayBudget
 from sessions.realtime.dialect import RealtimeFraming
-from tests.wires import MemoryWire
+from tests.support.wires import MemoryWire
 
 
 async def settle(wire: MemoryWire) -> list[dict[str, Any] | CloseRequest]:

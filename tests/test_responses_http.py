@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.engines.sim import SimEngine
-from tests.harness import gateway_on_a_thread, running_gateway
-from tests.responses_harness import TERMINAL, ResponsesClient, validate
-from tests.scripted_engine import ToolLoopEngine
+from tests.support.harness import gateway_on_a_thread, running_gateway
+from tests.support.responses_harness import TERMINAL, ResponsesClient, validate
+from tests.support.scripted_engine import ToolLoopEngine
 from tests.test_responses_ws import responses_url
 from tests.test_sdk import run_sdk
 

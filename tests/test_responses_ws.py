@@ -1,5 +1,5 @@
 """The Responses dialect over WebSocket (`/v1/responses`), with a raw client that
-validates every event against openai-python's types (tests/responses_harness.py)."""
+validates every event against openai-python's types (tests/support/responses_harness.py)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from gateway.engines.sim import TOOL_ANSWER_PREFIX, SimEngine
 from sessions import errors
 from sessions.responses import codec as rp
 from sessions.responses import dialect
-from tests.harness import RunningGateway, gateway_on_a_thread, running_gateway
-from tests.responses_harness import TERMINAL, ResponsesClient
+from tests.support.harness import RunningGateway, gateway_on_a_thread, running_gateway
+from tests.support.responses_harness import TERMINAL, ResponsesClient
 
 WEATHER = {
     "type": "function",

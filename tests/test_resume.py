@@ -16,7 +16,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from gateway.engines.sim import SimEngine
-from tests.harness import TIMEOUT, RunningGateway, running_gateway
+from tests.support.harness import TIMEOUT, RunningGateway, running_gateway
 
 
 class Resumable:

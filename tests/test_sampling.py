@@ -13,9 +13,9 @@ from gateway.engines.base import SamplingParams, TextDelta
 from sessions import codec, errors
 from sessions.realtime import codec as rt
 from sessions.responses import codec as rp
-from tests.harness import RawClient, running_gateway
-from tests.responses_harness import ResponsesClient
-from tests.scripted_engine import ScriptedEngine
+from tests.support.harness import RawClient, running_gateway
+from tests.support.responses_harness import ResponsesClient
+from tests.support.scripted_engine import ScriptedEngine
 
 PENALTIES = ("frequency_penalty", "presence_penalty")
 

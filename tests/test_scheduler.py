@@ -166,7 +166,7 @@ async def test_a_scheduler_that_fell_behind_merges_each_jobs_tokens_of_a_batch(
 async def test_a_streaming_engine_cancelled_before_its_first_step_still_confirms() -> None:
     """Found in review: a per-request stream task cancelled before it ever ran never
     reported its end, so the scheduler waited for the engine forever."""
-    from tests.scripted_engine import ScriptedEngine, text_then_two_calls
+    from tests.support.scripted_engine import ScriptedEngine, text_then_two_calls
 
     engine = ScriptedEngine(text_then_two_calls())
     await engine.start()

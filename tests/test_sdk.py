@@ -20,8 +20,8 @@ from typing import Any
 import websockets
 
 from gateway.engines.sim import TOOL_ANSWER_PREFIX, SimEngine
-from tests.harness import running_gateway
-from tests.scripted_engine import ScriptedEngine, text_then_two_calls
+from tests.support.harness import running_gateway
+from tests.support.scripted_engine import ScriptedEngine, text_then_two_calls
 
 ROOT = Path(__file__).resolve().parent.parent
 SDK_PYTHON = ROOT / ".venv-sdk" / "bin" / "python"

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from gateway.engines.sim import TOOL_ANSWER_PREFIX, SimEngine
-from tests.harness import running_gateway
-from tests.scripted_engine import ToolLoopEngine
+from tests.support.harness import running_gateway
+from tests.support.scripted_engine import ToolLoopEngine
 from tests.test_sdk import run_program, run_sdk
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ from sessions.core import Session, SessionLimits
 from sessions.outbox import CloseRequest, Outbox
 from sessions.realtime import codec as rt
 from sessions.realtime.dialect import RealtimeDialect, RealtimeFraming
-from tests.wires import MemoryWire
+from tests.support.wires import MemoryWire
 
 
 class Harness:

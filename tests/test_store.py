@@ -14,9 +14,9 @@ import orjson
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from tests.gateway_processes import TIMEOUT, RollingPair, gateways
-from tests.redis_server import RedisServer, redis_server_fixture  # noqa: F401
-from tests.responses_harness import ResponsesClient
+from tests.support.gateway_processes import TIMEOUT, RollingPair, gateways
+from tests.support.redis_server import RedisServer, redis_server_fixture  # noqa: F401
+from tests.support.responses_harness import ResponsesClient
 
 
 class Chat:

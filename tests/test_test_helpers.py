@@ -1,5 +1,5 @@
-"""The test helpers themselves: tests/redis_server.py (a real redis-server) and
-tests/balancer.py (a TCP balancer without affinity), each against the real thing.
+"""The test helpers themselves: tests/support/redis_server.py (a real redis-server) and
+tests/support/balancer.py (a TCP balancer without affinity), each against the real thing.
 
 The Redis tests skip where ``redis-server`` is not installed, except under ``CI=true``.
 """
@@ -22,8 +22,8 @@ from websockets.asyncio.client import connect
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed, ConnectionClosedError
 
-from tests.balancer import Address, Balancer, parse_address
-from tests.redis_server import (  # the fixtures redis_server and redis_module
+from tests.support.balancer import Address, Balancer, parse_address
+from tests.support.redis_server import (  # the fixtures redis_server and redis_module
     RedisServer,
     RedisServerMissing,
     free_port,
@@ -36,7 +36,7 @@ from tests.redis_server import (  # the fixtures redis_server and redis_module
 TIMEOUT = 10.0
 
 
-# -- tests/redis_server.py ------------------------------------------------------------
+# -- tests/support/redis_server.py ----------------------------------------------------
 
 
 def answers(url: str) -> bool:
@@ -122,7 +122,7 @@ def test_redis_module_carries_over(redis_module: RedisServer) -> None:
     assert int(redis_cli(redis_module.url, "get", "tests")) >= 1
 
 
-# -- tests/balancer.py ----------------------------------------------------------------
+# -- tests/support/balancer.py --------------------------------------------------------
 
 
 class Echo:

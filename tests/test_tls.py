@@ -24,10 +24,10 @@ from openai import AsyncOpenAI
 from gateway.__main__ import main
 from gateway.client import connect
 from gateway.engines.sim import TOOL_ANSWER_PREFIX, SimEngine
-from tests.harness import RawClient, running_gateway
+from tests.support.harness import RawClient, running_gateway
+from tests.support.tls_certs import Pki, make_pki
 from tests.test_cli import gateway_process, read_until
 from tests.test_sdk import SDK_PYTHON, run_program
-from tests.tls_certs import Pki, make_pki
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_DIR = ROOT / "tests" / "node"

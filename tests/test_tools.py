@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from gateway.engines.sim import TOOL_ANSWER_PREFIX, SimEngine
-from tests.harness import RawClient, RunningGateway, running_gateway
-from tests.scripted_engine import ScriptedEngine, text_then_two_calls
+from tests.support.harness import RawClient, RunningGateway, running_gateway
+from tests.support.scripted_engine import ScriptedEngine, text_then_two_calls
 
 WEATHER = {
     "type": "function",

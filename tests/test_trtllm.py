@@ -1,7 +1,7 @@
-"""The TensorRT-LLM adapter against the stand-in in tests/trtllm_standin (no GPU needed).
+"""The TensorRT-LLM adapter against the stand-in in tests/support/trtllm_standin (no GPU needed).
 
 The stand-in follows the real LLM API where the adapter touches it (see
-tests/trtllm_standin/README.md); it is put on sys.path only by the ``standin`` fixture, so
+tests/support/trtllm_standin/README.md); it is put on sys.path only by the ``standin`` fixture, so
 nothing else ever imports it. Tests tagged "item N" cover issue 14's items.
 """
 
@@ -38,11 +38,11 @@ from gateway.engines.base import (
     StreamEvent,
     TextDelta,
 )
-from tests.harness import RawClient, running_gateway
-from tests.responses_harness import ResponsesClient
+from tests.support.harness import RawClient, running_gateway
+from tests.support.responses_harness import ResponsesClient
 
 ROOT = Path(__file__).parent.parent
-STANDIN_ROOT = Path(__file__).parent / "trtllm_standin"
+STANDIN_ROOT = Path(__file__).parent / "support" / "trtllm_standin"
 MODEL = "standin/tiny-chat"
 FAST_HEALTH_CHECK = 0.02  # seconds between the adapter's executor checks, in tests
 

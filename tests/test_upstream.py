@@ -1,6 +1,6 @@
 """The upstream engine against two real llama.cpp HTTP servers (the bundled SmolLM2 model).
 
-Each server is its own process (tests/llama_server.py) so a test can kill one
+Each server is its own process (tests/support/llama_server.py) so a test can kill one
 like a crashed replica; a small TCP proxy in front of a server counts its
 connections and cuts a stream after some bytes to make a replica fail after its
 first token. What llama.cpp never sends (vLLM's ``finish_reason: "abort"``, a
@@ -23,10 +23,10 @@ import pytest
 
 from gateway.engines.base import EngineError, Finished, GenerationRequest, Message, TextDelta
 from gateway.engines.upstream import Replica, Router, UpstreamEngine
-from tests import llama_server
-from tests.harness import RawClient, RunningGateway, running_gateway
-from tests.llama_server import LlamaServer
-from tests.responses_harness import ResponsesClient
+from tests.support import llama_server
+from tests.support.harness import RawClient, RunningGateway, running_gateway
+from tests.support.llama_server import LlamaServer
+from tests.support.responses_harness import ResponsesClient
 
 QUESTION = "What is the capital of France?"
 STORY = "Write a long story about a dragon who learns to bake bread."

@@ -1,6 +1,6 @@
 """A real llama.cpp OpenAI-compatible HTTP server on a loopback port, for the upstream tests.
 
-Run as its own process (``python -m tests.llama_server --slots 2``) so that a test
+Run as its own process (``python -m tests.support.llama_server --slots 2``) so that a test
 can kill it mid-run like a crashed replica. It prints ``READY <base url>`` once the
 model is loaded and serves until its stdin closes (the test process went away)
 or it is signalled.
@@ -23,7 +23,8 @@ from gateway.engines.llamacpp import bundled_model_path
 
 MODEL_ALIAS = "smollm2-135m"
 READY = "READY "
-ROOT = Path(__file__).resolve().parent.parent  # ``-m tests.llama_server`` imports from here
+# ``-m tests.support.llama_server`` imports from the repository root.
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def model_available() -> bool:
@@ -100,7 +101,7 @@ def start(
         [
             sys.executable,
             "-m",
-            "tests.llama_server",
+            "tests.support.llama_server",
             f"--slots={slots}",
             f"--ctx={ctx}",
             f"--threads={threads}",

@@ -6,7 +6,7 @@ persistence by default (``--save '' --appendonly no``). It can be stopped (SIGTE
 (SIGKILL) and started again on the same port with the same settings, like a restarted or
 crashed Redis that clients reconnect to.
 
-Fixtures, for a test module that imports them (``from tests.redis_server import
+Fixtures, for a test module that imports them (``from tests.support.redis_server import
 redis_server_fixture  # noqa: F401``: the functions are named so that a test's parameter
 does not shadow the import) or names this module in ``pytest_plugins``:
 

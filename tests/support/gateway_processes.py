@@ -14,7 +14,7 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tests.balancer import Balancer
+from tests.support.balancer import Balancer
 
 TIMEOUT = 20.0
 
