@@ -102,7 +102,7 @@ async def test_a_collision_costs_one_error_and_starts_no_response(
         if first["type"] == "error":
             with pytest.raises(TimeoutError):  # and nothing of a response after it
                 await c.recv(timeout=0.3)
-            done = (await c.respond()).done
+            done = (await c.respond()).terminal
         else:
             done = await c.recv_until("response.done")
             assert "error" not in [e["type"] for e in c.events]

@@ -9,7 +9,7 @@ import threading
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -19,6 +19,7 @@ from websockets.asyncio.client import connect as ws_connect
 from gateway.config import GatewayConfig
 from gateway.engines.base import Engine
 from gateway.server import Gateway
+from tests.support.turn import Turn
 
 TIMEOUT = 10.0
 
@@ -67,34 +68,6 @@ async def running_gateway(engine: Engine, **settings: Any) -> AsyncIterator[Runn
         yield RunningGateway(gateway, f"{ws}://{base}/v1/realtime", f"{http}://{base}")
     finally:
         await gateway.stop()
-
-
-@dataclass
-class Turn:
-    events: list[dict[str, Any]]
-    deltas: list[str] = field(default_factory=list)
-
-    @property
-    def done(self) -> dict[str, Any]:
-        return self.events[-1]
-
-    @property
-    def response(self) -> dict[str, Any]:
-        response: dict[str, Any] = self.done["response"]
-        return response
-
-    @property
-    def status(self) -> str:
-        return str(self.response["status"])
-
-    @property
-    def text(self) -> str:
-        return "".join(self.deltas)
-
-    @property
-    def final_text(self) -> str:
-        """The text of ``response.output_text.done``."""
-        return str(next(e["text"] for e in self.events if e["type"] == "response.output_text.done"))
 
 
 class RawClient:
@@ -155,7 +128,7 @@ class RawClient:
 
     async def collect(self, timeout: float = TIMEOUT) -> Turn:
         """Events of the next response to start, until its ``response.done``."""
-        turn = Turn(events=[])
+        turn = Turn()
         response_id = None
         async with asyncio.timeout(timeout):
             while True:
@@ -168,8 +141,6 @@ class RawClient:
                 if response_id is None or rid != response_id:
                     continue
                 turn.events.append(event)
-                if event["type"] == "response.output_text.delta":
-                    turn.deltas.append(event["delta"])
                 if event["type"] == "response.done":
                     return turn
 

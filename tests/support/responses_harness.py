@@ -12,7 +12,6 @@ import asyncio
 import typing
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -21,6 +20,7 @@ from openai.types.responses import ResponsesServerEvent
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
+from tests.support.turn import Turn
 from tests.test_conformance import extras
 
 TIMEOUT = 10.0
@@ -46,45 +46,6 @@ def validate(event: dict[str, Any]) -> None:
     parsed = adapter.validate_python(event, strict=True)
     unexpected = extras(parsed)
     assert not unexpected, f"fields the official types lack: {unexpected} in {event}"
-
-
-@dataclass
-class Turn:
-    events: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def terminal(self) -> dict[str, Any]:
-        return self.events[-1]
-
-    @property
-    def response(self) -> dict[str, Any]:
-        response: dict[str, Any] = self.terminal["response"]
-        return response
-
-    @property
-    def id(self) -> str:
-        return str(self.response["id"])
-
-    @property
-    def types(self) -> list[str]:
-        return [e["type"] for e in self.events]
-
-    @property
-    def text(self) -> str:
-        return "".join(e["delta"] for e in self.events if e["type"] == "response.output_text.delta")
-
-    @property
-    def done_text(self) -> str:
-        return "".join(e["text"] for e in self.events if e["type"] == "response.output_text.done")
-
-    @property
-    def output_text(self) -> str:
-        return "".join(
-            part["text"]
-            for item in self.response["output"]
-            if item["type"] == "message"
-            for part in item["content"]
-        )
 
 
 class ResponsesClient:
