@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from gateway.engines.base import Message, Role, ToolCall
+from sessions.errors import DuplicateItemId
 
 ItemStatus = str  # "completed" | "incomplete" | "in_progress"
 ItemKind = Literal["message", "function_call", "function_call_output"]
@@ -39,10 +40,6 @@ class Item:
     @classmethod
     def function_call_output(cls, item_id: str, call_id: str, output: str) -> Item:
         return cls(item_id, "tool", output, "completed", "function_call_output", call_id)
-
-
-class DuplicateItemId(KeyError):
-    """An item with this id is already in the conversation (whoever made either id)."""
 
 
 class Conversation:

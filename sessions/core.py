@@ -53,7 +53,6 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class SessionLimits:
-    max_parallel_out_of_band: int = 4
     max_items: int = 4096
     max_conversation_chars: int = 8 << 20  # bounds memory, and the prompt of every response
     max_unhandled_events: int = 64  # the reader waits beyond this: TCP backpressure
@@ -144,12 +143,17 @@ class Dialect(Protocol):
     one writer too. Hooks put events into ``core.outbox``.
     """
 
+    name: str  # its name in sessions/dialects.py's registry and in a stored session
+
+    def decode(self, frame: str | bytes) -> object:
+        """One client frame as a command; raises :class:`~sessions.errors.ProtocolError`."""
+
     def attach(self, core: Session, greet: bool) -> None:
         """Called once, as the session is made; ``greet``: a new session (not one taken
         over from another process), whose greeting event goes first."""
 
     def handle(self, command: object) -> None:
-        """A decoded client command; raises :class:`~gateway.protocol.ProtocolError`."""
+        """A decoded client command; raises :class:`~sessions.errors.ProtocolError`."""
 
     def error(self, err: errors.ProtocolError) -> None:
         """Report a refused command (the connection goes on)."""
@@ -179,6 +183,10 @@ class Dialect(Protocol):
 
     def close(self) -> None:
         """The session is closing: end whatever the dialect holds that is not a response."""
+
+    def expire(self) -> None:
+        """The connection reached its maximum age (``--responses-max-age``): say so and end
+        it. Only Responses connections have one."""
 
     def dump(self) -> dict[str, Any]:
         """The dialect's own state, as JSON, for a session store (sessions/snapshot.py)."""

@@ -9,7 +9,8 @@ import pytest
 
 from gateway.engines.sim import SimEngine
 from sessions import codec
-from sessions.conversation import Conversation, DuplicateItemId, Item
+from sessions.conversation import Conversation, Item
+from sessions.errors import DuplicateItemId
 from tests.support.harness import RawClient, running_gateway
 
 

@@ -51,8 +51,7 @@ async def h() -> AsyncIterator[Harness]:
     session = Session(
         scheduler,
         Outbox(RealtimeFraming()),
-        RealtimeDialect(),
-        limits=SessionLimits(max_parallel_out_of_band=2),
+        RealtimeDialect(max_parallel_out_of_band=2),
     )
     harness = Harness(session, engine)
     assert (await harness.next())["type"] == "session.created"

@@ -87,6 +87,19 @@ class Admission:
         )
         return Refusal(401, "invalid_api_key", message, challenge)
 
+    def refuse_http(
+        self, headers: Headers, *, ready: bool, need_engine: bool = True
+    ) -> Refusal | None:
+        """Why an API request over plain HTTP may not be served (the WebSocket handshake's
+        rules, as JSON errors), or None; ``ready``: the gateway takes new work."""
+        refused = self.refuse(headers, Entry.HTTP)
+        if refused is None and need_engine and not ready:
+            message = "The engine is not ready (loading, stopping, or no replica is up)."
+            refused = Refusal(
+                503, "engine_unavailable", message + " Retry shortly.", {"Retry-After": "1"}
+            )
+        return refused
+
 
 def bearer(headers: Headers) -> str:
     """The token of ``Authorization: Bearer TOKEN`` ("" if there is none)."""

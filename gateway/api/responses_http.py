@@ -19,22 +19,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
+from gateway.api.admission import Admission
+from gateway.api.status import ServerState
+from gateway.cluster.persistence import Persistence
+from gateway.config import GatewayConfig
+from gateway.session_table import SessionTable
 from gateway.transport.http1 import HttpReply, HttpRequest
 from gateway.transport.router import Router
 from gateway.transport.sse import SseWire
 from sessions import codec, errors
 from sessions.conversation import Item
 from sessions.core import Session
-from sessions.response_store import StoredResponse
+from sessions.response_store import ResponseStore, StoredResponse
 from sessions.responses import codec as rp
 from sessions.responses.dialect import ResponsesDialect, ResponsesFraming
-
-if TYPE_CHECKING:
-    from gateway.server import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +75,11 @@ class _Waiter:
 class _Live:
     """A background response's session, while it runs and for the retention after."""
 
-    __slots__ = ("expiry", "session", "waiter")
+    __slots__ = ("dialect", "expiry", "session", "waiter")
 
-    def __init__(self, session: Session, waiter: _Waiter) -> None:
+    def __init__(self, session: Session, dialect: ResponsesDialect, waiter: _Waiter) -> None:
         self.session = session
+        self.dialect = dialect
         self.waiter = waiter
         self.expiry: asyncio.TimerHandle | None = None
 
@@ -84,12 +87,25 @@ class _Live:
 class ResponsesHttp:
     """The routes (see the module docstring); ``register`` puts them on a router."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    def __init__(
+        self,
+        config: GatewayConfig,
+        state: ServerState,
+        table: SessionTable,
+        admission: Admission,
+        response_store: ResponseStore,
+        persistence: Persistence | None = None,
+    ) -> None:
+        self._config = config
+        self._state = state
+        self._table = table
+        self._admission = admission
+        self.response_store = response_store
+        self._persistence = persistence
         self.background: dict[str, _Live] = {}
 
     def register(self, router: Router) -> None:
-        limit = self.gateway.config.max_message_bytes
+        limit = self._config.max_message_bytes
         router.add("POST", "/v1/responses", self.create, body_limit=limit)
         router.add("GET", "/v1/responses/{id}", self.retrieve)
         router.add("DELETE", "/v1/responses/{id}", self.delete)
@@ -112,8 +128,9 @@ class ResponsesHttp:
             _error(reply, err)
             return
         waiter = _Waiter()
-        session = self.gateway.open_session(
-            ResponsesDialect(self.gateway.response_store, waiter),
+        dialect = ResponsesDialect(self.response_store, waiter)
+        session = self._table.open(
+            dialect,
             ResponsesFraming(),
             replay_bytes=BACKGROUND_REPLAY_BYTES if body.background else 0,
         )
@@ -125,7 +142,7 @@ class ResponsesHttp:
             _error(reply, err)
             return
         if body.background:
-            self._keep(started["id"], session, waiter)
+            self._keep(started["id"], session, dialect, waiter)
         if body.stream:
             await self._stream(reply, session, -1, keep=body.background)
         elif body.background:
@@ -257,7 +274,7 @@ class ResponsesHttp:
         live = self.background.pop(response_id, None)
         if live is not None:
             self._forget(live)
-        store = self.gateway.response_store
+        store = self.response_store
         if not store.delete(response_id, notify=True) and live is None:
             _not_found(reply, response_id)
             return
@@ -308,7 +325,9 @@ class ResponsesHttp:
 
     def _refused(self, request: HttpRequest, reply: HttpReply, *, engine: bool = True) -> bool:
         """Answer (and True) if the request may not be served: credentials, Origin, load."""
-        refused = self.gateway.refuse_http(request.headers, need_engine=engine)
+        refused = self._admission.refuse_http(
+            request.headers, ready=self._state.ready, need_engine=engine
+        )
         if refused is None:
             return False
         err = errors.ProtocolError(refused.code, refused.message, error_type=refused.error_type)
@@ -318,24 +337,23 @@ class ResponsesHttp:
     async def _find(self, response_id: str) -> StoredResponse | None:
         """A finished response: the store's (this process's, else the session store's),
         or a retained background one's."""
-        stored = self.gateway.response_store.get(response_id)
+        stored = self.response_store.get(response_id)
         if stored is not None:
             return stored
-        persistence = self.gateway.persistence
+        persistence = self._persistence
         if persistence is not None:
             stored = await persistence.fetch_response(response_id)
             if stored is not None:
                 return stored
         live = self.background.get(response_id)
-        dialect = live.session.dialect if live is not None else None
-        if isinstance(dialect, ResponsesDialect):
-            return dialect.latest
-        return None
+        return live.dialect.latest if live is not None else None
 
-    def _keep(self, response_id: str, session: Session, waiter: _Waiter) -> None:
-        live = _Live(session, waiter)
+    def _keep(
+        self, response_id: str, session: Session, dialect: ResponsesDialect, waiter: _Waiter
+    ) -> None:
+        live = _Live(session, dialect, waiter)
         self.background[response_id] = live
-        retention = self.gateway.config.background_retention
+        retention = self._config.background_retention
 
         def retain(_: object) -> None:
             live.expiry = asyncio.get_running_loop().call_later(

@@ -6,15 +6,14 @@ The Responses API's routes are gateway/api/responses_http.py's; :func:`router` a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from gateway.api import auth, static_files
-from gateway.api.admission import Entry, bearer
+from gateway.api.admission import Admission, Entry, bearer
+from gateway.api.responses_http import ResponsesHttp
+from gateway.api.status import ServerState
+from gateway.config import GatewayConfig
+from gateway.session_table import SessionTable
 from gateway.transport.http1 import HttpReply, HttpRequest
 from gateway.transport.router import Router
-
-if TYPE_CHECKING:
-    from gateway.server import Gateway
 
 # Where a GET with "Upgrade: websocket" becomes a WebSocket (each also with a trailing
 # slash); anywhere else it is answered 404. The path picks the dialect.
@@ -25,9 +24,15 @@ CLIENT_SECRETS_PATHS = ("/v1/realtime/client_secrets", "/v1/realtime/client_secr
 PAGE_CONFIG_PATH = "/page-config.json"
 
 
-def router(gateway: Gateway) -> Router:
+def router(
+    config: GatewayConfig,
+    state: ServerState,
+    table: SessionTable,
+    admission: Admission,
+    responses_http: ResponsesHttp,
+) -> Router:
     """Every plain HTTP route (gateway/transport/router.py says how to add one)."""
-    routes = _Routes(gateway)
+    routes = _Routes(config, state, table, admission)
     router = Router(_not_found)
     router.add("GET", "/healthz", routes.healthz)
     router.add("GET", "/readyz", routes.readyz)
@@ -41,44 +46,53 @@ def router(gateway: Gateway) -> Router:
     for path in CLIENT_SECRETS_PATHS:
         router.add("POST", path, routes.mint_client_secret)
         router.add("*", path, _mint_with_post)
-    gateway.responses_http.register(router)
+    responses_http.register(router)
     return router
 
 
 class _Routes:
     """The routes that read the gateway's state."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    def __init__(
+        self,
+        config: GatewayConfig,
+        state: ServerState,
+        table: SessionTable,
+        admission: Admission,
+    ) -> None:
+        self._config = config
+        self._state = state
+        self._table = table
+        self._admission = admission
 
     async def healthz(self, request: HttpRequest, reply: HttpReply) -> None:
         # Where this client reaches each endpoint, in the scheme this port speaks.
-        gw = self.gateway
-        host = request.headers.get("Host") or f"{gw.config.host}:{gw.port}"
-        ws = "wss" if gw.scheme == "https" else "ws"
+        state = self._state
+        host = request.headers.get("Host") or f"{self._config.host}:{state.port}"
+        scheme = state.scheme
+        ws = "wss" if scheme == "https" else "ws"
         urls = {
-            "page": f"{gw.scheme}://{host}/",
+            "page": f"{scheme}://{host}/",
             "realtime": f"{ws}://{host}{REALTIME_PATH}",
             "responses": f"{ws}://{host}{RESPONSES_PATH}",
-            "http": f"{gw.scheme}://{host}/v1",
+            "http": f"{scheme}://{host}/v1",
         }
-        reply.send_json(200, {**gw.health(), "urls": urls})
+        reply.send_json(200, {**state.health(), "urls": urls})
 
     async def readyz(self, request: HttpRequest, reply: HttpReply) -> None:
-        ready = self.gateway.ready
+        ready = self._state.ready
         reply.send_json(200 if ready else 503, {"ready": ready})
 
     async def metrics(self, request: HttpRequest, reply: HttpReply) -> None:
-        body = self.gateway.render_metrics()
+        body = self._state.render_metrics()
         reply.send(200, body, "text/plain; version=0.0.4; charset=utf-8")
 
     async def page_config(self, request: HttpRequest, reply: HttpReply) -> None:
-        reply.send_json(200, {"client_secret_url": self.gateway.config.client_secret_url})
+        reply.send_json(200, {"client_secret_url": self._config.client_secret_url})
 
     async def mint_client_secret(self, request: HttpRequest, reply: HttpReply) -> None:
         """``POST /v1/realtime/client_secrets``: the hosted Realtime API's shape."""
-        gw = self.gateway
-        refused = gw.admission.refuse(request.headers, Entry.MINT)
+        refused = self._admission.refuse(request.headers, Entry.MINT)
         if refused is not None:
             api_error(reply, refused.status, refused.message, refused.code, refused.headers)
             return
@@ -87,9 +101,9 @@ class _Routes:
         except auth.SecretRequestError as err:
             api_error(reply, 400, err.message, err.code, param=err.param)
             return
-        credentials = gw.admission.credentials
+        credentials = self._admission.credentials
         secret = credentials.mint(credentials.is_api_key(bearer(request.headers)), ttl)
-        defaults = gw.session_defaults
+        defaults = self._table.defaults
         session = {
             "object": "realtime.session",
             "type": "realtime",

@@ -25,22 +25,19 @@ import logging
 import os
 import secrets
 import socket
-from typing import TYPE_CHECKING
 
 import orjson
 from redis.exceptions import RedisError
 
 from gateway.cluster.redis_store import Loaded, RedisStore
+from gateway.metrics import Metrics
+from gateway.session_table import SessionTable
 from gateway.transport.wire import SocketWire
 from sessions import snapshot
-from sessions.core import Dialect, Session
-from sessions.outbox import Framing
-from sessions.realtime.dialect import RealtimeDialect, RealtimeFraming
-from sessions.response_store import StoredResponse
-from sessions.responses.dialect import ResponsesDialect, ResponsesFraming
-
-if TYPE_CHECKING:
-    from gateway.server import Gateway
+from sessions.core import Session
+from sessions.dialects import BY_NAME, DialectContext
+from sessions.errors import ResumeRefused
+from sessions.response_store import ResponseStore, StoredResponse
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +45,6 @@ log = logging.getLogger(__name__)
 def process_id(node: str | None) -> str:
     """This process's name in leases: host (or ``--node``), pid and a random part."""
     return f"{node or socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-
-
-def dialect_name(session: Session) -> str:
-    return "responses" if isinstance(session.dialect, ResponsesDialect) else "realtime"
 
 
 def response_json(stored: StoredResponse) -> bytes:
@@ -86,10 +79,23 @@ def _serve(wire: object, session_id: str) -> None:
 class Persistence:
     """One gateway's use of its store (see the module docstring)."""
 
-    def __init__(self, gateway: Gateway, store: RedisStore) -> None:
-        self.gateway = gateway
+    def __init__(
+        self,
+        store: RedisStore,
+        table: SessionTable,
+        responses: ResponseStore,
+        metrics: Metrics,
+        dialects: DialectContext,
+        resume_window: float,
+    ) -> None:
         self.store = store
-        responses = gateway.response_store
+        self._table = table
+        self._responses = responses
+        self._metrics = metrics
+        self._dialects = dialects
+        self._resume_window = resume_window
+        self._handed_over = False  # a drain gave every session back to the store
+        table.keeper = self
         responses.on_put = lambda r: store.put_response(r.id, response_json(r), responses.ttl)
         responses.on_delete = store.delete_response
 
@@ -97,7 +103,7 @@ class Persistence:
 
     def adopt(self, session: Session) -> None:
         """Save ``session`` from now on, and hold its lease."""
-        store, session_id, name = self.store, session.id, dialect_name(session)
+        store, session_id, name = self.store, session.id, session.dialect.name
         session.outbox.on_sent = lambda seq, frame: store.log(session_id, seq, frame)
         session.outbox.on_attach = lambda wire: _serve(wire, session_id)
 
@@ -109,20 +115,20 @@ class Persistence:
         changed(session)
         store.own(session_id)
 
-    def ended(self, session: Session, *, handed_over: bool) -> None:
+    def ended(self, session: Session) -> None:
         """``session`` ended here: for good (its keys go), or handed over at a drain."""
-        if not handed_over:
+        if not self._handed_over:
             self.store.forget(session.id)
 
     def hand_over(self, sessions: list[Session]) -> None:
         """A drain: save each session as it is now, answers in flight included, and let
         go of it; nothing this process does with them afterwards is saved."""
-        window = self.gateway.config.resume_window
+        window = self._resume_window
+        self._handed_over = True
         for session in sessions:
             if session.ending and not session.live_responses:
                 continue
-            name = dialect_name(session)
-            data = snapshot.dump(session, name)
+            data = snapshot.dump(session, session.dialect.name)
             self.store.save(session.id, lambda data=data: data)  # type: ignore[misc]
             self.store.release(session.id, window)
             session.outbox.on_sent = None
@@ -137,7 +143,7 @@ class Persistence:
 
     async def fetch_response(self, response_id: str) -> StoredResponse | None:
         """A stored response another process made (into this process's cache)."""
-        local = self.gateway.response_store
+        local = self._responses
         found = local.get(response_id)
         if found is not None:
             return found
@@ -151,51 +157,47 @@ class Persistence:
         local.put(stored, notify=False)
         return stored
 
-    async def load(self, session_id: str, token: str) -> Loaded | str:
-        """The stored session, if ``token`` is its; else the error code."""
+    async def load(self, session_id: str, token: str) -> Loaded:
+        """The stored session, if ``token`` is its; else :class:`ResumeRefused`."""
         try:
             loaded = await self.store.load(session_id)
         except (RedisError, OSError) as exc:
             log.warning("resume of %s: the session store does not answer (%r)", session_id, exc)
-            return "session_not_found"
+            raise ResumeRefused("session_not_found") from None
         if loaded is None or not snapshot.token_matches(token, loaded.state["token"]):
-            return "session_not_found"
+            raise ResumeRefused("session_not_found")
         return loaded
 
-    async def take_over(
-        self, loaded: Loaded, token: str, last: int, wire: SocketWire
-    ) -> Session | str:
+    async def take_over(self, loaded: Loaded, token: str, last: int, wire: SocketWire) -> Session:
         """Make the stored session this process's, its client on ``wire`` (replayed from
-        ``last``), its answers in flight going on; else the error code."""
-        store, gateway = self.store, self.gateway
+        ``last``), its answers in flight going on; else raise :class:`ResumeRefused`."""
+        table = self._table
         session_id = loaded.state["id"]
-        if not await store.acquire(session_id):
-            return "session_busy"
-        dialect, framing = self._dialect(loaded.state["dialect"])
-        if isinstance(dialect, ResponsesDialect):
-            for _, latest in loaded.state["dialect_state"]["lanes"]:
-                if latest:
-                    await self.fetch_response(latest)
-        outbox = gateway.new_outbox(framing)
+        if not await self.store.acquire(session_id):
+            raise ResumeRefused("session_busy")
+        kind = BY_NAME[loaded.state["dialect"]]
+        for response_id in kind.continued_responses(loaded.state["dialect_state"]):
+            await self.fetch_response(response_id)
+        dialect, framing = kind.make(self._dialects)
+        outbox = table.new_outbox(framing)
         outbox.seed(loaded.frames)
         session, in_flight = snapshot.restore(
             loaded.state,
-            gateway.scheduler,
+            table.scheduler,
             outbox,
             dialect,
             token=token,
-            limits=gateway.session_limits,
-            metrics=gateway.metrics,
+            limits=table.limits,
+            metrics=self._metrics,
         )
-        gateway.register(session)
-        rotate = not isinstance(dialect, ResponsesDialect)
-        code = session.resume(token, last, wire, rotate=rotate)
+        table.register(session)
+        code = session.resume(token, last, wire, rotate=kind.rotates_resume_token)
         if code is not None:
             session.close("disconnected")
-            gateway.metrics.takeovers.labels(outcome=code).inc()
-            return code
+            self._metrics.takeovers.labels(outcome=code).inc()
+            raise ResumeRefused(code)
         snapshot.continue_responses(session, in_flight, [frame for _, frame in loaded.frames])
-        gateway.metrics.takeovers.labels(outcome="taken_over").inc()
+        self._metrics.takeovers.labels(outcome="taken_over").inc()
         log.info(
             "took over session %s from %s (%d answers in flight)",
             session_id,
@@ -203,8 +205,3 @@ class Persistence:
             len(in_flight),
         )
         return session
-
-    def _dialect(self, name: str) -> tuple[Dialect, Framing]:
-        if name == "responses":
-            return ResponsesDialect(self.gateway.response_store), ResponsesFraming()
-        return RealtimeDialect(), RealtimeFraming()

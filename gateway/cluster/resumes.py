@@ -19,38 +19,31 @@ import secrets
 import urllib.parse
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from websockets.asyncio.server import ServerConnection
 from websockets.http11 import Request, Response
 
-from gateway.api.routes import RESPONSES_PATH
 from gateway.cluster import store_relay
 from gateway.cluster import worker_relay as relay
+from gateway.cluster.persistence import Persistence
+from gateway.cluster.redis_store import RedisStore
+from gateway.config import GatewayConfig
+from gateway.metrics import Metrics
+from gateway.session_table import SessionTable
 from gateway.transport.head_timers import refusal
 from gateway.transport.wire import CLOSE_TIMEOUT, SocketWire
 from sessions import codec, errors, snapshot
 from sessions.core import Session
+from sessions.dialects import RESPONSES, DialectContext
+from sessions.errors import ResumeRefused, SessionRelayed
 from sessions.realtime import codec as rt
 from sessions.realtime.dialect import resumed_event
-from sessions.responses.dialect import ResponsesDialect, ResponsesFraming
-
-if TYPE_CHECKING:
-    from gateway.server import Gateway
 
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "x-session-id"
 RESUME_TOKEN_HEADER = "x-resume-token"
 LAST_SEQUENCE_HEADER = "x-last-sequence-number"
-
-RESUME_ERRORS: dict[str, str] = {
-    "session_busy": "Another gateway is taking this session over right now; retry the resume.",
-    "session_not_found": "No session with that id and resume token can be resumed here "
-    "(unknown, ended, or its resume window is over); this connection goes on as a new session.",
-    "resume_gap": "Some events after last_sequence_number are no longer kept, so the session "
-    "cannot be resumed without losing them; this connection goes on as a new session.",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,15 +59,35 @@ class Upgrade:
 
 
 class Resumes:
-    """Finds the session a resume names and puts the new connection on it."""
+    """Finds the session a resume names and puts the new connection on it.
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    Each way in returns the session the connection is now on, or raises
+    :class:`~sessions.errors.ResumeRefused` (the code says why) or
+    :class:`~sessions.errors.SessionRelayed` (another process served it)."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        table: SessionTable,
+        metrics: Metrics,
+        dialects: DialectContext,
+        store: RedisStore | None = None,
+        persistence: Persistence | None = None,
+    ) -> None:
+        self._config = config
+        self._table = table
+        self._metrics = metrics
+        self._dialects = dialects
+        self._store = store
+        self._persistence = persistence
         # Responses upgrades, by connection, until their handler takes them: the fresh
         # session's id and token, or the session to resume (see name_upgrade).
         self._upgrades: weakref.WeakKeyDictionary[ServerConnection, Upgrade] = (
             weakref.WeakKeyDictionary()
         )
+
+    def _count(self, outcome: str) -> None:
+        self._metrics.resumes.labels(outcome=outcome).inc()
 
     # -- the Responses WebSocket's upgrade ----------------------------------------------
 
@@ -84,10 +97,12 @@ class Resumes:
         asked = _resume_fields(request)
         if asked is None:
             return None
-        code = self._resumable(asked)
-        if isinstance(code, str) and code != "in_store":
-            self.gateway.metrics.resumes.labels(outcome=code).inc()
-            return refusal(404 if code == "session_not_found" else 409, RESUME_ERRORS[code])
+        try:
+            self._resumable(asked)
+        except ResumeRefused as refused:
+            self._count(refused.code)
+            status = 404 if refused.code == "session_not_found" else 409
+            return refusal(status, refused.message)
         return None
 
     def name_upgrade(
@@ -96,13 +111,16 @@ class Resumes:
         """Name the session of a Responses upgrade in its answer: a fresh one, or the one
         the request resumes."""
         asked = _resume_fields(request)
-        found = self._resumable(asked) if asked is not None else None
-        if isinstance(found, tuple):
-            upgrade = Upgrade(found[0].id, found[1], found[0], found[2])
+        try:
+            found = self._resumable(asked) if asked is not None else None
+        except ResumeRefused:
+            found = None
+        if isinstance(found, Session) and asked is not None:
+            upgrade = Upgrade(found.id, asked[1], found, int(asked[2]))
         elif found == "in_store" and asked is not None:
             upgrade = Upgrade(asked[0], asked[1], None, int(asked[2]), in_store=True)
         else:
-            upgrade = Upgrade(self.gateway.new_session_id(), secrets.token_urlsafe(24))
+            upgrade = Upgrade(self._table.new_session_id(), secrets.token_urlsafe(24))
         self._upgrades[connection] = upgrade
         response.headers[SESSION_HEADER] = upgrade.session_id
         response.headers[RESUME_TOKEN_HEADER] = upgrade.token
@@ -113,47 +131,43 @@ class Resumes:
 
     async def responses_session(
         self, upgrade: Upgrade, ws: ServerConnection, wire: SocketWire
-    ) -> Session | str | None:
-        """The session a Responses upgrade named, on ``wire``: fresh or resumed; else the
-        reason to close with, or None once a relay to its owner has ended."""
+    ) -> Session:
+        """The session a Responses upgrade named, on ``wire``: fresh or resumed."""
         if upgrade.in_store:
             return await self._from_store(
                 upgrade.session_id, upgrade.token, upgrade.last_sequence_number, ws, wire, None
             )
-        gw = self.gateway
         if upgrade.resume is None:
-            session = gw.open_session(
-                ResponsesDialect(gw.response_store),
-                ResponsesFraming(),
-                upgrade.session_id,
-                upgrade.token,
-            )
+            dialect, framing = RESPONSES.make(self._dialects)
+            session = self._table.open(dialect, framing, upgrade.session_id, upgrade.token)
             session.outbox.attach(wire)
             return session
         target = upgrade.resume
         code = target.resume(upgrade.token, upgrade.last_sequence_number, wire, rotate=False)
-        gw.metrics.resumes.labels(outcome=code or "resumed").inc()
+        self._count(code or "resumed")
         if code is not None:  # it went away between the upgrade's answer and now
-            return "session_not_found"
-        gw.set_detached(target, False)
+            raise ResumeRefused("session_not_found")
+        self._table.set_detached(target, False)
         log.info("session %s resumed after event %d", target.id, upgrade.last_sequence_number)
         return target
 
-    def _resumable(self, asked: tuple[str, str, str]) -> str | tuple[Session, str, int]:
-        """The session a resume names, its token and last number; else why not."""
+    def _resumable(self, asked: tuple[str, str, str]) -> Session | str:
+        """The session a Responses resume names (checked against its token and last
+        number), or ``"in_store"``: decided once the socket is open (it takes Redis)."""
         session_id, token, last = asked
-        gw = self.gateway
-        session = gw.session(session_id)
-        if gw.config.resume_window <= 0:
-            return "session_not_found"
+        session = self._table.get(session_id)
+        if self._config.resume_window <= 0:
+            raise ResumeRefused("session_not_found")
         if not re.fullmatch(r"-1|\d{1,15}", last):
-            return "resume_gap"
-        if session is None and gw.persistence is not None:
-            return "in_store"  # decided once the socket is open (it takes Redis)
-        if session is None or not isinstance(session.dialect, ResponsesDialect):
-            return "session_not_found"
+            raise ResumeRefused("resume_gap")
+        if session is None and self._persistence is not None:
+            return "in_store"
+        if session is None or session.dialect.name != RESPONSES.name:
+            raise ResumeRefused("session_not_found")
         code = session.can_resume(token, int(last))
-        return code if code is not None else (session, token, int(last))
+        if code is not None:
+            raise ResumeRefused(code)
+        return session
 
     # -- the Realtime dialect's session.resume ------------------------------------------
 
@@ -164,9 +178,9 @@ class Resumes:
         wire: SocketWire,
         fresh: Session,
         first: bool,
-    ) -> Session | None:
-        """Take over the session ``event`` names (here, or relayed to the worker holding
-        it: then None once that relay has ended), or tell why not and go on with ``fresh``."""
+    ) -> Session:
+        """Take over the session ``event`` names (here, or relayed to the process holding
+        it), or tell the client why not and go on with ``fresh``."""
         if not first:
             await fresh.deliver(
                 errors.ProtocolError(
@@ -176,63 +190,78 @@ class Resumes:
                 )
             )
             return fresh
-        gw = self.gateway
-        c = gw.config
-        known = gw.session(event.session_id) is not None
-        if gw.persistence is not None and c.resume_window > 0 and not known:
-            found = await self._from_store(
+        try:
+            return await self._resume(event, ws, wire, fresh)
+        except ResumeRefused as refused:
+            await fresh.deliver(ResumeRefused(refused.code, event_id=event.event_id))
+            return fresh
+
+    async def _resume(
+        self, event: rt.SessionResume, ws: ServerConnection, wire: SocketWire, fresh: Session
+    ) -> Session:
+        c = self._config
+        known = self._table.get(event.session_id) is not None
+        if self._persistence is not None and c.resume_window > 0 and not known:
+            return await self._from_store(
                 event.session_id, event.resume_token, event.last_sequence_number, ws, wire, fresh
             )
-            if isinstance(found, str):
-                return await _refuse(event, fresh, found)
-            return found
         owner = relay.owner_of(event.session_id)
         if (
             c.worker_dir is not None
-            and gw.store is None  # with a store, the store relays (gateway/cluster/store_relay.py)
+            and self._store is None  # with a store, the store relays (store_relay.py)
             and c.resume_window > 0
             and owner is not None
             and owner != relay.owner_tag(c.node, c.worker)
             and owner == relay.owner_tag(c.node, relay.worker_of(owner))  # this host's
         ):
-            opened = await relay.open_leg(c.worker_dir, relay.worker_of(owner), event)
-            if opened is not None and opened[1].get("type") == "session.resumed":
-                leg, answer = opened
-                _discard(fresh, wire)
-                await wire.write_later(codec.encode(answer))
-                await relay.pipe(ws, wire, leg)
-                # The owner's close code (1001, 4001...) must reach the client before
-                # this handler returns and websockets closes with 1000 on its own.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(CLOSE_TIMEOUT + 0.5):
-                        await wire.closed()
-                return None
-            if opened is not None:
-                await opened[0].close()
-            code = opened[1].get("error", {}).get("code") if opened is not None else None
-            return await _refuse(event, fresh, code or "session_not_found")
+            await self._relay_to_worker(c.worker_dir, owner, event, ws, wire, fresh)
         if event.session_id == fresh.id:  # the session this connection already has
-            return await _refuse(event, fresh, "session_not_found")
+            raise ResumeRefused("session_not_found")
         target = self.take_over(event, wire)
-        if isinstance(target, str):
-            return await _refuse(event, fresh, target)
         _discard(fresh, wire)
         return target
 
-    def take_over(self, event: rt.SessionResume, wire: SocketWire) -> Session | str:
+    async def _relay_to_worker(
+        self,
+        worker_dir: str,
+        owner: str,
+        event: rt.SessionResume,
+        ws: ServerConnection,
+        wire: SocketWire,
+        fresh: Session,
+    ) -> None:
+        """Pipe this connection to the worker of this host that holds the session, until
+        that ends (raises :class:`SessionRelayed`), or raise the worker's refusal."""
+        opened = await relay.open_leg(worker_dir, relay.worker_of(owner), event)
+        if opened is not None and opened[1].get("type") == "session.resumed":
+            leg, answer = opened
+            _discard(fresh, wire)
+            await wire.write_later(codec.encode(answer))
+            await relay.pipe(ws, wire, leg)
+            # The owner's close code (1001, 4001...) must reach the client before this
+            # handler returns and websockets closes with 1000 on its own.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(CLOSE_TIMEOUT + 0.5):
+                    await wire.closed()
+            raise SessionRelayed
+        if opened is not None:
+            await opened[0].close()
+        code = opened[1].get("error", {}).get("code") if opened is not None else None
+        raise ResumeRefused(code if code in errors.RESUME_ERRORS else "session_not_found")
+
+    def take_over(self, event: rt.SessionResume, wire: SocketWire) -> Session:
         """Attach ``wire`` to the session ``event`` names, if its token and replay buffer
-        allow; else the error code that says why not."""
-        gw = self.gateway
-        target = gw.session(event.session_id)
+        allow; else raise :class:`ResumeRefused`."""
+        target = self._table.get(event.session_id)
         code = (
             target.resume(event.resume_token, event.last_sequence_number, wire)
-            if target is not None and gw.config.resume_window > 0
+            if target is not None and self._config.resume_window > 0
             else "session_not_found"
         )
-        gw.metrics.resumes.labels(outcome=code or "resumed").inc()
+        self._count(code or "resumed")
         if code is not None or target is None:
-            return code or "session_not_found"
-        gw.set_detached(target, False)
+            raise ResumeRefused(code or "session_not_found")
+        self._table.set_detached(target, False)
         log.info("session %s resumed after event %d", target.id, event.last_sequence_number)
         return target
 
@@ -246,39 +275,37 @@ class Resumes:
         ws: ServerConnection,
         wire: SocketWire,
         fresh: Session | None,
-    ) -> Session | str | None:
-        """The session from the store on ``wire``: taken over (returned), relayed (None,
-        once the relay has ended) or an error code."""
-        gw = self.gateway
-        persistence, store = gw.persistence, gw.store
+    ) -> Session:
+        """The session from the store on ``wire``: taken over (returned) or relayed to its
+        owner (:class:`SessionRelayed`, once the relay has ended)."""
+        persistence, store = self._persistence, self._store
         assert persistence is not None and store is not None
-        loaded = await persistence.load(session_id, token)
-        if isinstance(loaded, str):
-            gw.metrics.resumes.labels(outcome=loaded).inc()
-            return loaded
+        try:
+            loaded = await persistence.load(session_id, token)
+        except ResumeRefused as refused:
+            self._count(refused.code)
+            raise
         if loaded.owner is not None and loaded.owner != store.process:
             if store_relay.gap(loaded, last):
-                return "resume_gap"
+                raise ResumeRefused("resume_gap")
             if fresh is not None:
                 _discard(fresh, wire)
             greeting = None
             if loaded.state["dialect"] == "realtime":
                 config = snapshot.config_from(loaded.state["config"])
                 greeting = resumed_event(session_id, config, token)
-            gw.metrics.resumes.labels(outcome="relayed").inc()
+            self._count("relayed")
             await store_relay.relay(ws, wire, store, loaded, last, greeting)
-            return None
-        taken = await persistence.take_over(loaded, token, last, wire)
-        gw.metrics.resumes.labels(outcome=taken if isinstance(taken, str) else "resumed").inc()
-        if isinstance(taken, Session) and fresh is not None:
+            raise SessionRelayed
+        try:
+            taken = await persistence.take_over(loaded, token, last, wire)
+        except ResumeRefused as refused:
+            self._count(refused.code)
+            raise
+        self._count("resumed")
+        if fresh is not None:
             _discard(fresh, wire)
         return taken
-
-
-async def _refuse(event: rt.SessionResume, fresh: Session, code: str) -> Session:
-    error = errors.ProtocolError(code, RESUME_ERRORS[code], event_id=event.event_id)
-    await fresh.deliver(error)
-    return fresh
 
 
 def _discard(fresh: Session, wire: SocketWire) -> None:
@@ -286,10 +313,6 @@ def _discard(fresh: Session, wire: SocketWire) -> None:
     the resumed one now."""
     fresh.outbox.detach(wire)
     fresh.close("disconnected")
-
-
-def is_responses_upgrade(request: Request) -> bool:
-    return request.path.partition("?")[0].rstrip("/") == RESPONSES_PATH
 
 
 def _resume_fields(request: Request) -> tuple[str, str, str] | None:

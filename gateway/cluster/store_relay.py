@@ -29,8 +29,6 @@ from gateway.transport.wire import SocketWire
 from sessions import errors
 from sessions.core import Session
 from sessions.realtime import codec as rt
-from sessions.responses import codec as rp
-from sessions.responses.dialect import ResponsesDialect
 
 log = logging.getLogger(__name__)
 
@@ -149,9 +147,8 @@ class Inbound:
         elif kind == "close":
             session.close("disconnected")
         elif kind == "frame":
-            decode = rp.decode if isinstance(session.dialect, ResponsesDialect) else rt.decode
             try:
-                command: object = decode(message.get("frame") or "")
+                command: object = session.dialect.decode(message.get("frame") or "")
             except errors.ProtocolError as err:
                 command = err
             if not isinstance(command, rt.SessionResume):

@@ -1,6 +1,6 @@
 """The Realtime dialect: OpenAI Realtime's text subset over the session core.
 
-Client frames are decoded by gateway/protocol.py (the Realtime codec); this module
+Client frames are decoded by sessions/realtime/codec.py (the Realtime codec); this module
 handles the decoded events against the core (session settings, the conversation's
 items, responses in or out of the conversation, cancel) and encodes what the core
 reports as Realtime server events. Realtime has one conversation per session, at
@@ -82,8 +82,11 @@ class RealtimeDialect:
 
     decode = staticmethod(rt.decode)
 
-    def __init__(self) -> None:
+    name = "realtime"
+
+    def __init__(self, max_parallel_out_of_band: int = 4) -> None:
         self._core: Session | None = None
+        self.max_parallel_out_of_band = max_parallel_out_of_band
         self._in_conversation: ResponseState | None = None
         self._pending_in_conversation: str | None = None  # see load()
 
@@ -91,6 +94,9 @@ class RealtimeDialect:
     def core(self) -> Session:
         assert self._core is not None
         return self._core
+
+    def expire(self) -> None:
+        """Realtime connections have no maximum age (only Responses ones do)."""
 
     def attach(self, core: Session, greet: bool) -> None:
         self._core = core
@@ -224,7 +230,7 @@ class RealtimeDialect:
                 f"{self._in_conversation.id}. Wait until it is done, or cancel it.",
                 event_id=event.event_id,
             )
-        limit = core.limits.max_parallel_out_of_band
+        limit = self.max_parallel_out_of_band
         out_of_band = sum(not r.in_conversation for r in core.responses)
         if params.out_of_band and out_of_band >= limit:
             raise errors.ProtocolError(

@@ -3,7 +3,7 @@ that ``POST /v1/responses`` takes too).
 
 :func:`decode` turns one WebSocket frame into a typed client event; :func:`read_create`
 validates a create body wherever it comes from. Both raise
-:class:`~gateway.protocol.ProtocolError` naming the ``param``. The ``*_json``
+:class:`~sessions.errors.ProtocolError` naming the ``param``. The ``*_json``
 functions build the Responses API's objects (items, parts, the ``Response``) as
 plain dicts. Nothing here does I/O.
 """

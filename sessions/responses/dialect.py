@@ -107,6 +107,7 @@ class ResponsesDialect:
     With an ``observer`` (HTTP: one response per session) a refused request is told to
     it, to be answered with an HTTP status, instead of becoming an ``error`` event."""
 
+    name = "responses"
     decode = staticmethod(rp.decode)
 
     def __init__(
