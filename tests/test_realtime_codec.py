@@ -1,4 +1,6 @@
-"""The codec alone: every malformed input class gets a precise ProtocolError."""
+"""The Realtime codec alone (sessions/realtime/codec.py): frames as strings, no socket;
+every malformed input class gets a precise ProtocolError (the Responses codec's are in
+tests/test_responses_codec.py)."""
 
 from __future__ import annotations
 
