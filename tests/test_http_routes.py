@@ -1,4 +1,6 @@
-"""The plain-HTTP side of the port: /healthz names the model, and HEAD gets an answer."""
+"""The gateway's plain-HTTP routes on its port: /healthz names the model, HEAD answers every
+route like GET without the body and is never a WebSocket handshake, and a request sent
+byte by byte is still answered (HTTP/1.1 itself: tests/test_http1.py)."""
 
 from __future__ import annotations
 
