@@ -12,7 +12,7 @@ gateway's Responses WebSocket dialect at ``/v1/responses``: one ``response.creat
 per turn, on one lane or, with ``Workload.lanes``, on that many named lanes of one
 connection), ``("http", base_url)`` (``POST /v1/responses`` over keep-alive HTTP/1.1,
 streamed as server-sent events or answered as one JSON ``Response``: the gateway
-or bench/fastapi_sse_server.py) and ``("engine", params)`` (the SimEngine in the
+or bench/baselines/fastapi_sse_server.py) and ``("engine", params)`` (the SimEngine in the
 worker process itself, driven directly (EngineDriver): the bare-engine baseline,
 no network, no gateway).
 

@@ -163,7 +163,7 @@ def bare_server_argv(*, step_ms: float, response_tokens: int, loop: str) -> list
     return [
         sys.executable,
         "-m",
-        "bench.bare_server",
+        "bench.baselines.bare_server",
         "--step-ms",
         str(step_ms),
         "--response-tokens",
@@ -191,7 +191,7 @@ def fastapi_server_argv(
     return [
         sys.executable,
         "-m",
-        "bench.fastapi_sse_server",
+        "bench.baselines.fastapi_sse_server",
         "--step-ms",
         str(step_ms),
         "--response-tokens",

@@ -4,7 +4,7 @@ Every figure of the gateway is measured beside its baselines in the same run:
 
 - ``engine``: the same SimEngine driven in one process with no network (an
   EngineDriver in the load worker): the floor for latency.
-- ``bare``: a bare websockets server (bench/bare_server.py) pushing the same
+- ``bare``: a bare websockets server (bench/baselines/bare_server.py) pushing the same
   frames on the same step clock with no gateway logic: the ceiling for frames.
 - ``gateway``: ``python -m gateway --engine sim``, coalescing on (the default).
 - ``gateway-nc``: the same with ``--no-coalesce``.
@@ -15,7 +15,7 @@ Every figure of the gateway is measured beside its baselines in the same run:
   Responses WebSocket dialect (``/v1/responses``) instead of the Realtime one.
 - ``http``: the same gateway, ``POST /v1/responses`` over keep-alive HTTP/1.1
   (``stream: true``: server-sent events; or a JSON ``Response``).
-- ``fastapi`` / ``fastapi-httptools``: bench/fastapi_sse_server.py, a FastAPI +
+- ``fastapi`` / ``fastapi-httptools``: bench/baselines/fastapi_sse_server.py, a FastAPI +
   uvicorn endpoint answering the same Responses events on the sim's step clock
   and words, no gateway logic (uvicorn's h11 parser, or httptools where installed).
 
@@ -91,8 +91,8 @@ SYSTEMS = {
     "upstream": "gateway --engine upstream, in front of bench/sse_server.py",
     "responses": "gateway, Responses WebSocket dialect",
     "http": "gateway, POST /v1/responses",
-    "fastapi": "FastAPI + uvicorn (h11), bench/fastapi_sse_server.py",
-    "fastapi-httptools": "FastAPI + uvicorn (httptools), bench/fastapi_sse_server.py",
+    "fastapi": "FastAPI + uvicorn (h11), bench/baselines/fastapi_sse_server.py",
+    "fastapi-httptools": "FastAPI + uvicorn (httptools), bench/baselines/fastapi_sse_server.py",
 }
 
 

@@ -14,7 +14,7 @@ costs.
 It runs on the event loop the gateway would (``--loop``, the same default), so
 that a comparison is between servers, not loops.
 
-Run: ``python -m bench.bare_server --port 8800 --step-ms 20 --response-tokens 64``
+Run: ``python -m bench.baselines.bare_server --port 8800 --step-ms 20 --response-tokens 64``
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ bytes template, the done events, ``response.completed`` with usage), each event 
 ``event: TYPE`` and a ``data: JSON`` line and a chunk of its own (a
 ``StreamingResponse`` over an async generator). ``stream: false`` answers the final
 ``Response`` JSON once every token has come. Tokens are the sim engine's words
-(``answer_tokens``) on bench/bare_server.py's step clock (``Ticker``: steps on a
+(``answer_tokens``) on bench/baselines/bare_server.py's step clock (``Ticker``: steps on a
 fixed clock, missed steps counted at once, ``--step-ms 0`` a step per loop turn),
 so that a comparison with the gateway on ``--engine sim`` is between servers.
 
@@ -19,7 +19,7 @@ logging is off. ``--http`` picks uvicorn's HTTP parser: ``h11`` (what the bench
 extra installs, and the gateway's own parser) or ``httptools`` (uvicorn's fast one,
 where installed). It runs on the loop ``--loop`` names, as the other servers do.
 
-Run: ``python -m bench.fastapi_sse_server --port 8802 --step-ms 0 --response-tokens 300``
+Run: ``python -m bench.baselines.fastapi_sse_server --port 8802 --step-ms 0 --response-tokens 300``
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from bench.bare_server import Ticker
+from bench.baselines.bare_server import Ticker
 from bench.loadgen import raise_nofile
 from gateway.__main__ import LOOPS, default_loop
 from gateway.engines.sim import answer_tokens
