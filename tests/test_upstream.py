@@ -128,7 +128,8 @@ async def test_answers_stream_through_the_gateway(servers: list[LlamaServer]) ->
         assert (await gw.get("/readyz"))[0] == 200
         async with RawClient.connect(gw.ws_url) as c:
             assert c.events[0]["session"]["model"] == llama_server.MODEL_ALIAS
-            await c.say(QUESTION)
+            # A story: no answer to it ends within 16 tokens, so the budget cuts it.
+            await c.say(STORY)
             turn = await c.respond(max_output_tokens=16, temperature=0)
             assert turn.status == "incomplete"
             assert turn.response["status_details"]["reason"] == "max_output_tokens"
@@ -137,11 +138,11 @@ async def test_answers_stream_through_the_gateway(servers: list[LlamaServer]) ->
             usage = turn.response["usage"]
             assert usage["output_tokens"] == 16 and usage["input_tokens"] > 10
 
-            # The same question out of band, stopped at the answer's fourth token.
+            # The same request out of band, stopped at the answer's fourth token.
             stop = turn.deltas[3]
             stopped = await c.respond(
                 conversation="none",
-                input=[user_item(QUESTION)],
+                input=[user_item(STORY)],
                 max_output_tokens=32,
                 temperature=0,
                 stop=[stop],
@@ -280,6 +281,8 @@ async def test_back_to_back_answers_from_a_server_that_closes_after_each_stream(
     # llama.cpp closes the connection after every streamed answer although it
     # announces keep-alive; the proxy widens the moment in which the pool still
     # holds that connection. The next turn must not fail, nor the replica go down.
+    # Whether an answer ends by itself within its 4 tokens or is cut there is the
+    # model's affair: either way it must stream and end well, never fail.
     async with (
         CuttingProxy(servers[0].url) as proxy,
         gateway_on([proxy.url], health_interval=60) as gw,
@@ -287,9 +290,12 @@ async def test_back_to_back_answers_from_a_server_that_closes_after_each_stream(
     ):
         for _ in range(4):
             turn = await c.respond(
-                conversation="none", input=[user_item(QUESTION)], max_output_tokens=4
+                conversation="none", input=[user_item(STORY)], max_output_tokens=4
             )
-            assert turn.status == "incomplete" and turn.text
+            assert turn.text, turn.events
+            assert turn.status in ("completed", "incomplete"), turn.response
+            if turn.status == "incomplete":
+                assert turn.response["status_details"]["reason"] == "max_output_tokens"
         assert engine_of(gw).replicas[0].healthy
 
 
@@ -297,9 +303,9 @@ async def test_failure_after_first_token_fails_only_that_response(
     servers: list[LlamaServer],
 ) -> None:
     async with CuttingProxy(servers[1].url) as proxy, gateway_on([proxy.url, servers[0].url]) as gw:
-        proxy.cut_after = 900  # the role chunk and a few tokens
+        proxy.cut_after = 900  # the role chunk and a few tokens (a story goes on far longer)
         async with RawClient.connect(gw.ws_url) as c:
-            await c.say(QUESTION)
+            await c.say(STORY)
             broken = await c.respond(max_output_tokens=32, temperature=0)
             assert proxy.cuts == 1
             assert broken.status == "failed"
@@ -314,7 +320,7 @@ async def test_failure_after_first_token_fails_only_that_response(
 
         # What was delivered is the start of the real answer: not duplicated, not spliced.
         async with RawClient.connect(gw.ws_url) as fresh:
-            await fresh.say(QUESTION)
+            await fresh.say(STORY)
             reference = await fresh.respond(max_output_tokens=32, temperature=0)
         assert reference.text.startswith(broken.text) and reference.text != broken.text
 
@@ -681,7 +687,8 @@ async def test_the_responses_websocket_streams_through_the_upstream_pool(
     async with gateway_on([s.url for s in servers]) as gw:
         url = gw.ws_url.replace("/v1/realtime", "/v1/responses")
         async with ResponsesClient.connect(url) as c:
-            first = await c.respond(input=QUESTION, max_output_tokens=16, temperature=0)
+            # A story: no answer to it ends within 16 tokens, so the budget cuts it.
+            first = await c.respond(input=STORY, max_output_tokens=16, temperature=0)
             assert first.response["incomplete_details"] == {"reason": "max_output_tokens"}
             assert first.text == first.output_text != ""
             second = await c.respond(
