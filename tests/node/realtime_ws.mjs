@@ -32,8 +32,9 @@ function next(rt, type) {
   });
 }
 
-/** Ask for a response; gather its deltas until response.done (`onDelta` sees each). */
-function respond(rt, onDelta = () => {}) {
+/** Ask for a response (with `params`, if given); gather its deltas until response.done
+ * (`onDelta` sees each). */
+function respond(rt, onDelta = () => {}, params = null) {
   return new Promise((resolve, reject) => {
     let deltas = '';
     const onEvent = (event) => {
@@ -51,7 +52,7 @@ function respond(rt, onDelta = () => {}) {
       }
     };
     rt.on('event', onEvent);
-    rt.send({ type: 'response.create' });
+    rt.send(params ? { type: 'response.create', response: params } : { type: 'response.create' });
   });
 }
 
@@ -83,7 +84,9 @@ async function cancel(rt) {
     }
   });
   rt.send({ type: 'conversation.item.create', item: user('And now a short one.') });
-  return { turns: [summary(cut), summary(await respond(rt))] };
+  // Short: the engine's answers are long enough for the cancel to land mid-answer.
+  const next = await respond(rt, () => {}, { max_output_tokens: 20 });
+  return { turns: [summary(cut), summary(next)] };
 }
 
 async function tools(rt) {
