@@ -37,6 +37,7 @@ from gateway.session_table import SessionTable
 from gateway.transport import tls
 from gateway.transport.head_timers import Pending
 from gateway.transport.http1 import HttpService
+from gateway.transport.router import Router
 from gateway.transport.wire import CLOSE_TIMEOUT
 from sessions.core import Session, SessionConfig
 from sessions.dialects import DialectContext
@@ -179,6 +180,10 @@ class Gateway:
         m.bytes_out.set(sent)
         return m.render()
 
+    def _routes(self) -> Router:
+        """Every plain HTTP route (a test's subclass adds its own)."""
+        return routes.router(self.config, self, self.table, self.admission, self.responses_http)
+
     def _handshake_dropped(self, reason: str) -> None:
         self.metrics.handshakes_dropped.labels(reason=reason).inc()
 
@@ -187,7 +192,7 @@ class Gateway:
     async def start(self) -> None:
         """Listen at once; load the engine in the background (``/readyz`` says when)."""
         self.http = HttpService(
-            routes.router(self.config, self, self.table, self.admission, self.responses_http),
+            self._routes(),
             websocket_paths=routes.WEBSOCKET_PATHS,
             pending=self.pending,
             handshake_timeout=self.config.handshake_timeout,

@@ -4,7 +4,7 @@ interface is as small as docs/design.md says."""
 from __future__ import annotations
 
 from examples.echo_engine import EchoEngine
-from tests.harness import RawClient, running_gateway
+from tests.support.harness import RawClient, running_gateway
 
 
 async def test_a_one_file_engine_serves_answers_and_cancels() -> None:

@@ -537,7 +537,7 @@ def test_each_refusal_names_its_code_and_param(
 def test_the_error_envelope_and_its_http_status() -> None:
     """The Responses envelope: a status, and no event_id (its client events have none)."""
     error = refused(_create(temperature=9))
-    assert rs.error_json(error, rs.http_status(error)) == {
+    assert rs.error_json(error, codec.http_status(error)) == {
         "type": "error",
         "status": 400,
         "error": {
