@@ -243,18 +243,23 @@ def read_tools(r: Reader, extra_fields: frozenset[str] = frozenset()) -> tuple[T
             )
         if any(tool.name == name for tool in tools):
             raise t.fail("name", f"Two tools are named '{name}': tool names must be unique.")
-        description = t.optional_string("description") or ""
-        parameters = t.obj.get("parameters")
-        if parameters is None:
-            parameters = {"type": "object", "properties": {}}
-        elif not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-            raise t.fail(
-                "parameters",
-                f"'{t.param('parameters')}' must be a JSON Schema object with type 'object'.",
-                "invalid_type" if not isinstance(parameters, dict) else "invalid_value",
-            )
-        tools.append(Tool(name, description, parameters))
+        tools.append(function_tool(t, name))
     return tuple(tools)
+
+
+def function_tool(t: Reader, name: str) -> Tool:
+    """A function tool's description and JSON Schema ``parameters`` (an object's)."""
+    description = t.optional_string("description") or ""
+    parameters = t.obj.get("parameters")
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    elif not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+        raise t.fail(
+            "parameters",
+            f"'{t.param('parameters')}' must be a JSON Schema object with type 'object'.",
+            "invalid_type" if not isinstance(parameters, dict) else "invalid_value",
+        )
+    return Tool(name, description, parameters)
 
 
 def read_tool_choice(r: Reader) -> ToolChoice:
@@ -378,3 +383,21 @@ def tools_json(tools: tuple[Tool, ...]) -> list[JSON]:
 
 def tool_choice_json(choice: ToolChoice) -> str | JSON:
     return choice if choice in TOOL_CHOICE_MODES else {"type": "function", "name": choice}
+
+
+def http_status(err: ProtocolError) -> int:
+    """The HTTP status an error stands for (an HTTP answer's, and the Responses WebSocket
+    error envelope's ``status``)."""
+    return _STATUS_BY_CODE.get(err.code, 500 if err.error_type == "server_error" else 400)
+
+
+_STATUS_BY_CODE = {
+    "previous_response_not_found": 400,
+    "response_not_found": 404,
+    "model_not_found": 404,
+    "overloaded": 429,
+    "websocket_connection_limit_reached": 400,
+    "internal_error": 500,
+    "engine_error": 500,
+    "engine_unavailable": 503,
+}

@@ -388,7 +388,7 @@ def _error_body(err: errors.ProtocolError) -> dict[str, Any]:
 
 
 def _error(reply: HttpReply, err: errors.ProtocolError) -> None:
-    status = rp.http_status(err)
+    status = codec.http_status(err)
     headers = {"Retry-After": "1"} if status in (429, 503) else None
     reply.send_json(status, _error_body(err), headers)
 

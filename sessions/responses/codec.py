@@ -397,19 +397,3 @@ def error_json(err: ProtocolError, status: int) -> JSON:
             "param": err.param,
         },
     }
-
-
-def http_status(err: ProtocolError) -> int:
-    """The HTTP status an error stands for (its envelope's ``status``)."""
-    return _STATUS_BY_CODE.get(err.code, 500 if err.error_type == "server_error" else 400)
-
-
-_STATUS_BY_CODE = {
-    "previous_response_not_found": 400,
-    "response_not_found": 404,
-    "overloaded": 429,
-    "websocket_connection_limit_reached": 400,
-    "internal_error": 500,
-    "engine_error": 500,
-    "engine_unavailable": 503,
-}

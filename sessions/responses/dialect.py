@@ -223,7 +223,7 @@ class ResponsesDialect:
         if self.observer is not None:
             self.observer.refused(err)
             return
-        event = rp.error_json(err, rp.http_status(err))
+        event = rp.error_json(err, codec.http_status(err))
         if stream_id is not None:
             event["stream_id"] = stream_id
         self.core.outbox.put(event)
