@@ -372,6 +372,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="model to serve (default: the engine's own)",
     )
     engine.add_argument(
+        "--served-model-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a name the model answers to (repeatable; default: any name)",
+    )
+    engine.add_argument(
         "--instructions",
         metavar="TEXT",
         help="new sessions' instructions (default: engine's)",
@@ -435,6 +442,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         response_store_bytes=args.response_store_bytes,
         response_store_ttl=args.response_store_ttl,
         responses_max_age=args.responses_max_age,
+        served_model_names=tuple(args.served_model_name),
         background_retention=args.background_retention,
         session_store=args.session_store,
         drain_timeout=args.drain_timeout,

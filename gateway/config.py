@@ -41,4 +41,5 @@ class GatewayConfig:
     response_store_bytes: int = 64 << 20  # stored Responses responses (store: true), in all
     response_store_ttl: float = 3600.0  # seconds a stored response can be continued
     background_retention: float = 600.0  # seconds a background response's events are kept
+    served_model_names: tuple[str, ...] = ()  # --served-model-name; none: any name
     responses_max_age: float = 3600.0  # seconds a Responses WebSocket may stay open; 0: no limit

@@ -22,6 +22,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve, unix_serv
 
 from gateway.api import auth, routes
 from gateway.api.admission import Admission
+from gateway.api.chat_http import ChatCompletionsHttp
 from gateway.api.responses_http import ResponsesHttp
 from gateway.api.websocket import WebSocketEndpoint, select_subprotocol
 from gateway.cluster import worker_relay
@@ -110,6 +111,7 @@ class Gateway:
         self.responses_http = ResponsesHttp(
             config, self, self.table, self.admission, self.response_store, self.persistence
         )
+        self.chat_http = ChatCompletionsHttp(config, self, self.table, self.admission)
         self._server: Server | None = None
         # The live TLS context of the listening socket; SIGHUP loads new files into it.
         self._tls: ssl.SSLContext | None = None
@@ -182,7 +184,9 @@ class Gateway:
 
     def _routes(self) -> Router:
         """Every plain HTTP route (a test's subclass adds its own)."""
-        return routes.router(self.config, self, self.table, self.admission, self.responses_http)
+        return routes.router(
+            self.config, self, self.table, self.admission, self.responses_http, self.chat_http
+        )
 
     def _handshake_dropped(self, reason: str) -> None:
         self.metrics.handshakes_dropped.labels(reason=reason).inc()

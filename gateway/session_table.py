@@ -52,6 +52,7 @@ class SessionTable:
         self._by_id: dict[str, Session] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._detached: set[Session] = set()
+        self._unkept: set[Session] = set()  # sessions the keeper was not given
         self._ended_traffic = (0, 0, 0)  # frames, delta frames, bytes of ended sessions
         self._replay_budget = ReplayBudget(config.replay_buffer_total_bytes)
 
@@ -93,9 +94,12 @@ class SessionTable:
         session_id: str | None = None,
         resume_token: str | None = None,
         replay_bytes: int | None = None,
+        *,
+        kept: bool = True,
     ) -> Session:
         """A new session and the task that runs it, until it ends (which may be long after
-        its first connection closed: a dropped one waits detached for a resume)."""
+        its first connection closed: a dropped one waits detached for a resume).
+        ``kept``: the keeper saves it (False for what no client can resume)."""
         session = Session(
             self.scheduler,
             self.new_outbox(framing, replay_bytes),
@@ -106,15 +110,17 @@ class SessionTable:
             session_id=session_id or self.new_session_id(),
             resume_token=resume_token,
         )
-        self.register(session)
+        self.register(session, kept=kept)
         return session
 
-    def register(self, session: Session) -> None:
+    def register(self, session: Session, *, kept: bool = True) -> None:
         """``session`` is this process's from now on: counted, run, kept (with a keeper)."""
         self._by_id[session.id] = session
         self.metrics.sessions.inc()
         self.metrics.sessions_total.inc()
-        if self.keeper is not None:
+        if not kept:
+            self._unkept.add(session)
+        elif self.keeper is not None:
             self.keeper.adopt(session)
         task = asyncio.get_running_loop().create_task(self._live(session), name=session.id)
         self._tasks.add(task)
@@ -155,8 +161,9 @@ class SessionTable:
             log.exception("session %s ended with an error", session.id)
         finally:
             del self._by_id[session.id]
-            if self.keeper is not None:
+            if self.keeper is not None and session not in self._unkept:
                 self.keeper.ended(session)
+            self._unkept.discard(session)
             session.outbox.release()
             stats, (frames, deltas, sent) = session.outbox.stats, self._ended_traffic
             self._ended_traffic = (

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from sessions.chat.dialect import ChatDialect, ChatFraming
 from sessions.core import Dialect, Session
 from sessions.outbox import Framing
 from sessions.realtime.dialect import RealtimeDialect, RealtimeFraming
@@ -60,7 +61,16 @@ RESPONSES = DialectKind(
     rotates_resume_token=False,
     continued_responses=_lanes_latest,
 )
-BY_NAME: dict[str, DialectKind] = {kind.name: kind for kind in (REALTIME, RESPONSES)}
+
+
+def _chat(_context: DialectContext) -> tuple[Dialect, Framing]:
+    framing = ChatFraming()
+    return ChatDialect(framing), framing
+
+
+# One answer per HTTP request, never kept in a store (no client can resume it).
+CHAT = DialectKind("chat", _chat, rotates_resume_token=False, continued_responses=_no_responses)
+BY_NAME: dict[str, DialectKind] = {kind.name: kind for kind in (REALTIME, RESPONSES, CHAT)}
 
 
 def kind_of(session: Session) -> DialectKind:

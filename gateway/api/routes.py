@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from gateway.api import auth, static_files
 from gateway.api.admission import Admission, Entry, bearer
+from gateway.api.chat_http import ChatCompletionsHttp
 from gateway.api.responses_http import ResponsesHttp
 from gateway.api.status import ServerState
 from gateway.config import GatewayConfig
@@ -30,6 +31,7 @@ def router(
     table: SessionTable,
     admission: Admission,
     responses_http: ResponsesHttp,
+    chat_http: ChatCompletionsHttp,
 ) -> Router:
     """Every plain HTTP route (gateway/transport/router.py says how to add one)."""
     routes = _Routes(config, state, table, admission)
@@ -47,6 +49,7 @@ def router(
         router.add("POST", path, routes.mint_client_secret)
         router.add("*", path, _mint_with_post)
     responses_http.register(router)
+    chat_http.register(router)
     return router
 
 

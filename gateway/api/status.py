@@ -11,6 +11,8 @@ from typing import Protocol
 
 
 class ServerState(Protocol):
+    started_at: float  # the process's start, in seconds since the epoch
+
     @property
     def engine_ready(self) -> bool:
         """The engine is up (loaded, or a replica answers)."""

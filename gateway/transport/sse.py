@@ -1,38 +1,63 @@
 """The socket end of an outbox that is an HTTP response: Server-Sent Events.
 
-Each numbered frame (a Responses event, already JSON) goes out as one SSE message,
-``event: TYPE`` then ``data: JSON``, written straight to the transport while it has
-room (as :class:`~gateway.transport.wire.SocketWire` does for a WebSocket), and through
-``drain`` when the client reads slowly. The stream is over once a terminal event
-(``response.completed``, ``.incomplete``, ``.failed``) went out, or the outbox closed
-the wire: :attr:`over` tells the route handler, which then ends the HTTP response.
+Each numbered frame (an event or a chunk, already JSON) goes out as one SSE message,
+written straight to the transport while it has room (as
+:class:`~gateway.transport.wire.SocketWire` does for a WebSocket), and through ``drain``
+when the client reads slowly. How a frame is framed, and which frame ends the stream, is
+the API's (a :data:`Messages` function):
+
+- the Responses API: ``event: TYPE`` then ``data: JSON``; over after a terminal event
+  (``response.completed``, ``.incomplete``, ``.failed``);
+- Chat Completions: ``data: JSON`` alone; the last chunk (the one with a
+  ``finish_reason``, or with ``include_usage`` the usage chunk after it, whose
+  ``choices`` is empty; or an error object) is followed by ``data: [DONE]``.
+
+The stream is also over once the outbox closed the wire: :attr:`SseWire.over` tells the
+route handler, which then ends the HTTP response.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 from gateway.transport.http1 import ClientDisconnected, HttpReply
 
 TERMINAL_TYPES = (b"response.completed", b"response.incomplete", b"response.failed")
 _TYPE = b'"type":"'
 
+Messages = Callable[[bytes], tuple[bytes, bool]]
+"""A frame's SSE message, and whether it ends the stream."""
 
-def sse_message(frame: bytes) -> tuple[bytes, bytes]:
-    """(the SSE message for an encoded event, its type)."""
+
+def responses_message(frame: bytes) -> tuple[bytes, bool]:
     start = frame.find(_TYPE) + len(_TYPE)
     event_type = frame[start : frame.find(b'"', start)]
-    return b"event: %b\ndata: %b\n\n" % (event_type, frame), event_type
+    return b"event: %b\ndata: %b\n\n" % (event_type, frame), event_type in TERMINAL_TYPES
+
+
+def chat_messages(include_usage: bool) -> Messages:
+    # The markers are JSON keys with their quotes: inside a string value (a token's text,
+    # a call's arguments) a quote is escaped, so no content can look like them.
+    last = b'"choices":[]' if include_usage else b'"finish_reason":"'
+
+    def message(frame: bytes) -> tuple[bytes, bool]:
+        if last in frame or frame.startswith(b'{"error"'):
+            return b"data: %b\n\ndata: [DONE]\n\n" % frame, True
+        return b"data: %b\n\n" % frame, False
+
+    return message
 
 
 class SseWire:
     """One SSE response as an outbox's wire (see the module docstring)."""
 
-    __slots__ = ("_reply", "over")
+    __slots__ = ("_messages", "_reply", "over")
 
-    def __init__(self, reply: HttpReply) -> None:
+    def __init__(self, reply: HttpReply, messages: Messages = responses_message) -> None:
         self._reply = reply
+        self._messages = messages
         self.over = asyncio.Event()
 
     def writable(self) -> bool:
@@ -41,9 +66,9 @@ class SseWire:
     def write(self, frame: bytes) -> None:
         if self.over.is_set():
             return
-        message, event_type = sse_message(frame)
+        message, last = self._messages(frame)
         self._reply.write(message)
-        if event_type in TERMINAL_TYPES:
+        if last:
             self.over.set()
 
     async def write_later(self, frame: bytes) -> None:

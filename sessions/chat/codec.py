@@ -1,0 +1,372 @@
+"""Sans-I/O codec for OpenAI Chat Completions: a request body in, chunks and completions out.
+
+:func:`read_body` validates a ``POST /v1/chat/completions`` body into a :class:`ChatBody`
+or raises :class:`~sessions.errors.ProtocolError` naming the param. Every field of
+openai-python's ``CompletionCreateParams`` has its answer here (docs/protocol.md, "Chat
+Completions"): served, accepted and ignored (:data:`IGNORED`, with why), or refused with
+``unsupported_value`` when the gateway cannot do what it asks (:data:`REFUSED`). A field
+no SDK knows gets ``unknown_parameter``, as OpenAI answers. The ``*_json`` functions build
+the ``chat.completion`` and ``chat.completion.chunk`` objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gateway.engines.base import TOOL_CHOICE_MODES, Message, Tool, ToolCall, ToolChoice, Usage
+from sessions.codec import (
+    JSON,
+    MAX_ID_CHARS,
+    MAX_TOOLS,
+    PENALTY_RANGE,
+    TOOL_NAME,
+    UNSET,
+    Reader,
+    Unset,
+    function_tool,
+    read_metadata,
+)
+from sessions.errors import ProtocolError
+
+MAX_MESSAGES = 4096
+
+SERVED = frozenset(
+    {
+        "messages",
+        "model",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "stop",
+        "seed",
+        "frequency_penalty",
+        "presence_penalty",
+        "tools",
+        "tool_choice",
+        "n",
+        "response_format",
+        "logprobs",
+        "top_logprobs",
+        "metadata",
+        "prompt_cache_key",  # the engine's affinity key: its cache (KV slot) is kept warm
+    }
+)
+# Accepted and ignored, each for a reason a client can rely on.
+IGNORED: dict[str, str] = {
+    "user": "an end-user id for abuse monitoring; this gateway keys nothing on it",
+    "safety_identifier": "the same, under its newer name",
+    "store": "stored completions are OpenAI's dashboard feature; nothing is kept here",
+    "parallel_tool_calls": "how many calls an answer holds is the model's choice",
+    "service_tier": "one engine serves every request the same way",
+    "reasoning_effort": "the engines here do not reason before answering",
+    "verbosity": "the model's length is asked for with max_completion_tokens",
+    "prompt_cache_retention": "the engine's cache keeps what it has room for",
+    "prompt_cache_options": "the engine's cache keeps what it has room for",
+    "moderation": "no moderation model runs here",
+}
+# Refused with unsupported_value unless they ask for nothing (null, false, empty, text).
+REFUSED: dict[str, str] = {
+    "audio": "This gateway speaks text only: no audio output.",
+    "modalities": "This gateway speaks text only: 'modalities' must be [\"text\"].",
+    "functions": "'functions' is deprecated and not served: send 'tools' instead.",
+    "function_call": "'function_call' is deprecated and not served: send 'tool_choice'.",
+    "logit_bias": "The engines here take no logit bias.",
+    "prediction": "Predicted outputs are not served.",
+    "web_search_options": "Web search runs on OpenAI's servers; this gateway has none.",
+}
+_FIELDS = SERVED | frozenset(IGNORED) | frozenset(REFUSED)
+_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+@dataclass(frozen=True, slots=True)
+class ChatBody:
+    messages: tuple[Message, ...]
+    model: str | None = None
+    stream: bool = False
+    include_usage: bool = False
+    max_output_tokens: int | Unset | None = UNSET
+    temperature: float | Unset | None = UNSET
+    top_p: float | Unset | None = UNSET
+    seed: int | None = None
+    stop: tuple[str, ...] | Unset = UNSET
+    frequency_penalty: float | Unset | None = UNSET
+    presence_penalty: float | Unset | None = UNSET
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = "auto"
+    metadata: dict[str, str] | None = None
+    affinity_key: str | None = None
+
+    @property
+    def has_system(self) -> bool:
+        """The request brings its own system (or developer) message."""
+        return any(m.role == "system" for m in self.messages)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatCreate:
+    """The one command of a Chat Completions session: answer this body."""
+
+    body: ChatBody
+
+
+def _unsupported(r: Reader, key: str, message: str) -> ProtocolError:
+    return r.fail(key, message, "unsupported_value")
+
+
+def decode(frame: str | bytes) -> ChatCreate:
+    """A request body (JSON) as the session's command. Raises :class:`ProtocolError`."""
+    try:
+        obj = orjson.loads(frame)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError("invalid_json", f"The body is not valid JSON: {exc}.") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("invalid_value", "The body must be a JSON object.")
+    return ChatCreate(read_body(obj))
+
+
+def read_body(obj: Mapping[str, Any]) -> ChatBody:
+    r = Reader(obj, "", None)
+    r.only(_FIELDS)
+    _refuse_what_is_not_served(r)
+    fields: dict[str, Any] = {}
+    r.required("messages")
+    fields["messages"] = _messages(r)
+    if obj.get("model") is not None:
+        fields["model"] = r.string("model", max_chars=256)
+    if obj.get("stream") is not None:
+        fields["stream"] = _boolean(r, "stream")
+    if obj.get("stream_options") is not None:
+        options = r.child("stream_options")
+        options.only(frozenset({"include_usage", "include_obfuscation"}))
+        if options.obj.get("include_usage") is not None:
+            fields["include_usage"] = _boolean(options, "include_usage")
+        if options.obj.get("include_obfuscation") is not None:
+            _boolean(options, "include_obfuscation")  # no obfuscation: nothing to pad
+    for key in ("max_completion_tokens", "max_tokens"):  # the newer name wins
+        if obj.get(key) is not None and "max_output_tokens" not in fields:
+            fields["max_output_tokens"] = r.integer(key, 1, 1_000_000)
+    if r.has("temperature"):
+        fields["temperature"] = r.number("temperature", 0.0, 2.0)
+    if r.has("top_p"):
+        fields["top_p"] = r.number("top_p", 0.0, 1.0)
+    for penalty in ("frequency_penalty", "presence_penalty"):
+        if r.has(penalty):
+            fields[penalty] = r.number(penalty, *PENALTY_RANGE)
+    if r.has("seed"):
+        fields["seed"] = r.integer("seed", 0, 2**64 - 1)
+    if r.has("stop"):
+        fields["stop"] = r.stop("stop")
+    if obj.get("tools") is not None:
+        fields["tools"] = _tools(r)
+    if obj.get("tool_choice") is not None:
+        fields["tool_choice"] = _tool_choice(r, fields.get("tools", ()))
+    if r.has("metadata"):
+        fields["metadata"] = read_metadata(r)
+    if obj.get("prompt_cache_key") is not None:
+        fields["affinity_key"] = "chat " + r.string("prompt_cache_key", max_chars=256)
+    for key in IGNORED:
+        if obj.get(key) is not None and key in ("user", "safety_identifier"):
+            r.string(key, max_chars=256)
+    return ChatBody(**fields)
+
+
+def _boolean(r: Reader, key: str) -> bool:
+    value = r.obj[key]
+    if not isinstance(value, bool):
+        raise r.fail(key, f"'{r.param(key)}' must be a boolean.", "invalid_type")
+    return value
+
+
+def _refuse_what_is_not_served(r: Reader) -> None:
+    obj = r.obj
+    n = obj.get("n")
+    if n is not None:
+        r.integer("n", 1, 128)
+        if n != 1:
+            raise _unsupported(r, "n", "This gateway makes one choice per request: 'n' must be 1.")
+    fmt = obj.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind != "text":
+            raise _unsupported(
+                r,
+                "response_format",
+                'Only \'response_format\' {"type": "text"} is served: the engines here do '
+                "not constrain their output to JSON.",
+            )
+    if obj.get("logprobs"):
+        raise _unsupported(r, "logprobs", "The engines here do not report log probabilities.")
+    if obj.get("top_logprobs"):
+        raise _unsupported(r, "top_logprobs", "The engines here do not report log probabilities.")
+    for key, message in REFUSED.items():
+        value = obj.get(key)
+        if key == "modalities" and value in (["text"], None):
+            continue
+        if value not in (None, False, [], {}):
+            raise _unsupported(r, key, message)
+
+
+def _messages(r: Reader) -> tuple[Message, ...]:
+    raw = r.obj["messages"]
+    if not isinstance(raw, list) or not raw:
+        raise r.fail("messages", "'messages' must be a non-empty list.", "invalid_type")
+    if len(raw) > MAX_MESSAGES:
+        raise r.fail("messages", f"'messages' holds at most {MAX_MESSAGES} messages.")
+    return tuple(_message(r.child_at("messages", i, value)) for i, value in enumerate(raw))
+
+
+def _message(m: Reader) -> Message:
+    role = m.required("role")
+    if role not in _ROLES:
+        raise m.fail("role", f"'{m.param('role')}' must be one of {', '.join(_ROLES[:-1])}.")
+    if role == "function":
+        raise _unsupported(m, "role", "'function' messages are deprecated: send 'tool' ones.")
+    if role == "tool":
+        m.only(frozenset({"role", "content", "tool_call_id"}))
+        m.required("tool_call_id")
+        call_id = m.string("tool_call_id", max_chars=MAX_ID_CHARS)
+        return Message("tool", _content(m, ("text",)), tool_call_id=call_id)
+    if role == "assistant":
+        m.only(frozenset({"role", "content", "name", "tool_calls", "refusal"}))
+        for key in ("audio", "function_call"):
+            if m.obj.get(key) is not None:
+                raise _unsupported(m, key, REFUSED[key])
+        text = _content(m, ("text", "refusal"), optional=True)
+        calls = _tool_calls(m) if m.obj.get("tool_calls") else ()
+        return Message("assistant", text, calls)
+    m.only(frozenset({"role", "content", "name"}))
+    if m.obj.get("name") is not None:
+        m.string("name", max_chars=256)
+    return Message("user" if role == "user" else "system", _content(m, ("text",)))
+
+
+def _content(m: Reader, parts: tuple[str, ...], *, optional: bool = False) -> str:
+    """A message's text: a string, or a list of text parts joined."""
+    if optional and m.obj.get("content") is None:
+        return ""
+    content = m.required("content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise m.fail(
+            "content", f"'{m.param('content')}' must be a string or parts.", "invalid_type"
+        )
+    texts = []
+    for index, raw in enumerate(content):
+        p = m.child_at("content", index, raw)
+        kind = p.required("type")
+        if kind not in parts:
+            if kind in ("image_url", "input_audio", "file"):
+                raise _unsupported(p, "type", "This gateway speaks text only: send text parts.")
+            raise p.fail("type", f"'{p.param('type')}' must be one of {', '.join(parts)}.")
+        p.only(frozenset({"type", kind}))
+        p.required(kind)
+        texts.append(p.string(kind))
+    return "".join(texts)
+
+
+def _tool_calls(m: Reader) -> tuple[ToolCall, ...]:
+    raw = m.obj["tool_calls"]
+    if not isinstance(raw, list):
+        raise m.fail("tool_calls", "'tool_calls' must be a list.", "invalid_type")
+    calls = []
+    for index, value in enumerate(raw):
+        c = m.child_at("tool_calls", index, value)
+        c.only(frozenset({"id", "type", "function"}))
+        if c.obj.get("type", "function") != "function":
+            raise _unsupported(c, "type", "Only function tool calls are served.")
+        c.required("id")
+        call_id = c.string("id", max_chars=MAX_ID_CHARS)
+        c.required("function")
+        f = c.child("function")
+        f.only(frozenset({"name", "arguments"}))
+        f.required("name")
+        f.required("arguments")
+        calls.append(ToolCall(call_id, f.string("name", max_chars=64), f.string("arguments")))
+    return tuple(calls)
+
+
+def _tools(r: Reader) -> tuple[Tool, ...]:
+    raw = r.obj["tools"]
+    if not isinstance(raw, list):
+        raise r.fail("tools", "'tools' must be a list of tools.", "invalid_type")
+    if len(raw) > MAX_TOOLS:
+        raise r.fail("tools", f"'tools' holds at most {MAX_TOOLS} tools.")
+    tools: list[Tool] = []
+    for index, value in enumerate(raw):
+        t = r.child_at("tools", index, value)
+        t.only(frozenset({"type", "function", "custom"}))
+        if t.obj.get("type") != "function":
+            raise _unsupported(t, "type", "Only function tools (type 'function') are served.")
+        t.required("function")
+        f = t.child("function")
+        f.only(frozenset({"name", "description", "parameters", "strict"}))
+        f.required("name")
+        name = f.string("name")
+        if not TOOL_NAME.fullmatch(name):
+            raise f.fail(
+                "name", f"'{f.param('name')}' must be 1 to 64 letters, digits, '_' or '-'."
+            )
+        if any(tool.name == name for tool in tools):
+            raise f.fail("name", f"Two tools are named '{name}': tool names must be unique.")
+        tools.append(function_tool(f, name))
+    return tuple(tools)
+
+
+def _tool_choice(r: Reader, tools: tuple[Tool, ...]) -> ToolChoice:
+    value = r.obj["tool_choice"]
+    if isinstance(value, str):
+        if value not in TOOL_CHOICE_MODES:
+            raise r.fail("tool_choice", "'tool_choice' must be 'auto', 'none' or 'required'.")
+        return value
+    c = r.child("tool_choice")
+    if c.required("type") != "function":
+        raise _unsupported(c, "type", "Only a function can be chosen (type 'function').")
+    c.only(frozenset({"type", "function"}))
+    c.required("function")
+    f = c.child("function")
+    f.only(frozenset({"name"}))
+    f.required("name")
+    name = f.string("name", max_chars=64)
+    if name in TOOL_CHOICE_MODES or all(tool.name != name for tool in tools):
+        raise f.fail("name", f"'tool_choice' names '{name}', which is not in 'tools'.")
+    return name
+
+
+# -- what the gateway sends -------------------------------------------------------------
+
+
+def usage_json(usage: Usage) -> JSON:
+    return {
+        "prompt_tokens": usage.input_tokens,
+        "completion_tokens": usage.output_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def chunk_json(head: JSON, delta: JSON, finish_reason: str | None = None) -> JSON:
+    return {
+        **head,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def error_json(err: ProtocolError) -> JSON:
+    """The error object of a response (and of a stream's last ``data:``, which the SDK
+    raises as an ``APIError``)."""
+    return {
+        "error": {
+            "message": err.message,
+            "type": err.error_type,
+            "param": err.param,
+            "code": err.code,
+        }
+    }
