@@ -376,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME",
-        help="a name the model answers to (repeatable; default: any name)",
+        help="a model name to serve (repeatable)",
     )
     engine.add_argument(
         "--instructions",
