@@ -385,6 +385,19 @@ def tool_choice_json(choice: ToolChoice) -> str | JSON:
     return choice if choice in TOOL_CHOICE_MODES else {"type": "function", "name": choice}
 
 
+def check_model(name: str | None, served: tuple[str, ...], event_id: str | None = None) -> None:
+    """Refuse a model name outside ``served`` (``--served-model-name``), as OpenAI refuses
+    a model that does not exist; with no names served, any name is (code written for
+    another model's name keeps working)."""
+    if served and name is not None and name not in served:
+        raise ProtocolError(
+            "model_not_found",
+            f"The model '{name}' does not exist or you do not have access to it.",
+            param="model",
+            event_id=event_id,
+        )
+
+
 def http_status(err: ProtocolError) -> int:
     """The HTTP status an error stands for (an HTTP answer's, and the Responses WebSocket
     error envelope's ``status``)."""

@@ -56,6 +56,8 @@ class SessionLimits:
     max_items: int = 4096
     max_conversation_chars: int = 8 << 20  # bounds memory, and the prompt of every response
     max_unhandled_events: int = 64  # the reader waits beyond this: TCP backpressure
+    # --served-model-name: the model names a request may name; empty: any name is served.
+    served_models: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,7 +23,8 @@ from pydantic import BaseModel, TypeAdapter
 
 from gateway.engines.sim import TOOL_ANSWER_PREFIX, SimEngine
 from sessions.chat import codec as cc
-from tests.support.harness import RunningGateway, running_gateway
+from tests.support.harness import RawClient, RunningGateway, running_gateway
+from tests.support.responses_harness import ResponsesClient
 
 WEATHER = {
     "type": "function",
@@ -56,6 +59,10 @@ def _no_extra(raw: Any, parsed: Any) -> None:
 async def gw() -> AsyncIterator[RunningGateway]:
     async with running_gateway(SimEngine(step_ms=1, response_tokens=12)) as running:
         yield running
+
+
+def responses_url(gw: RunningGateway) -> str:
+    return gw.ws_url.replace("/v1/realtime", "/v1/responses")
 
 
 def client(gw: RunningGateway) -> openai.AsyncOpenAI:
@@ -302,6 +309,34 @@ async def test_the_models_list_names_what_every_route_accepts() -> None:
         assert refused.value.code == "model_not_found"
 
 
+async def test_served_model_names_refuse_other_names_on_every_route() -> None:
+    """With --served-model-name, a name outside the list is OpenAI's 404 model_not_found
+    on HTTP and an error event on the WebSockets, whose connections go on."""
+    engine = SimEngine(step_ms=1, response_tokens=4)
+    async with running_gateway(engine, served_model_names=("alpha",)) as gw, client(gw) as c:
+        with pytest.raises(openai.NotFoundError) as refused:
+            await c.responses.create(model="gamma", input="x")
+        assert (refused.value.code, refused.value.param) == ("model_not_found", "model")
+        assert (await c.responses.create(model="alpha", input="x")).status == "completed"
+
+        async with ResponsesClient.connect(responses_url(gw)) as ws:
+            await ws.create(model="gamma", input="x")
+            error = await ws.error()
+            assert error["status"] == 404 and error["error"]["code"] == "model_not_found"
+            assert (await ws.respond(model="alpha", input="x")).types[-1] == "response.completed"
+
+        async with RawClient.connect(gw.ws_url + "?model=gamma") as rt:
+            error = await rt.recv_until("error")
+            assert error["error"]["code"] == "model_not_found"
+            await rt.send({"type": "session.update", "session": {"model": "gamma"}})
+            error = await rt.recv_until("error")
+            assert (error["error"]["code"], error["error"]["param"]) == ("model_not_found", "model")
+            await rt.send({"type": "session.update", "session": {"model": "alpha"}})
+            updated = await rt.recv_until("session.updated")
+            assert updated["session"]["model"] == "alpha"
+            assert (await rt.respond()).status == "completed"
+
+
 def test_every_field_the_sdk_can_send_has_an_answer() -> None:
     """Each field of openai-python's CompletionCreateParams is served, accepted and ignored,
     or refused with unsupported_value: a new SDK field fails here until it is placed."""
@@ -313,6 +348,15 @@ def test_every_field_the_sdk_can_send_has_an_answer() -> None:
     for field in cc.IGNORED:
         body = cc.read_body({"messages": [{"role": "user", "content": "x"}], field: None})
         assert body.messages
+
+
+def test_docs_give_every_field_its_answer() -> None:
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
+    section = docs.split("\n## Chat Completions\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ", 1)[0] for line in section.splitlines() if line.startswith("| `")]
+    documented = set(re.findall(r"`(\w+)`", " ".join(rows)))
+    missing = (cc.SERVED | set(cc.IGNORED) | set(cc.REFUSED)) - documented
+    assert not missing, f"fields docs/protocol.md's Chat Completions table lacks: {missing}"
 
 
 def test_no_system_message_gets_the_engines_default_instructions() -> None:

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import openai
 import pytest
 
 from bench.loops import PAIRS, loops
@@ -735,6 +736,39 @@ async def test_e2e_responses_websocket_chains_and_warms_with_generate_false(
             input="And of Germany?", previous_response_id=turn.id, **sampling
         )
         assert "Berlin" in follow.text
+
+
+async def test_e2e_chat_completions_build_the_prompt_the_responses_route_builds(
+    gw: RunningGateway,
+) -> None:
+    """No system message and no instructions: both routes lead with the engine's defaults,
+    so the bundled model answers the same, and well (a chat route without them was seen
+    to answer with garbage)."""
+    client = openai.AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key="k", max_retries=0)
+    async with client:
+        answer = await client.responses.create(model="default", input=FRANCE.text)
+        assert "Paris" in answer.output_text
+        question: Any = [{"role": "user", "content": FRANCE.text}]
+        chat = await client.chat.completions.create(
+            model="default", messages=question, prompt_cache_key="france"
+        )
+        assert chat.choices[0].message.content == answer.output_text
+        assert chat.choices[0].finish_reason == "stop"
+        stream = await client.chat.completions.create(
+            model="default", messages=question, stream=True, prompt_cache_key="france",
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        chunks = [chunk async for chunk in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == answer.output_text
+        usage = chunks[-1].usage
+        assert usage is not None and usage.prompt_tokens == chat.usage.prompt_tokens  # type: ignore[union-attr]
+        # The same prompt in the same key's slot: llama.cpp reuses its cache, and says so.
+        assert usage.prompt_tokens_details is not None
+        assert usage.prompt_tokens_details.cached_tokens
+        cut = await client.chat.completions.create(model="default", messages=question, max_tokens=3)
+        assert cut.choices[0].finish_reason == "length" and cut.usage is not None
+        assert cut.usage.completion_tokens == 3
 
 
 # --- sampling defaults: what llama.cpp itself was told --------------------------------

@@ -112,6 +112,11 @@ def test_curl_block_streams_a_whole_answer(line: int, command: str, address: str
         timeout=TIMEOUT,
     )
     assert done.returncode == 0, f"README.md:{line} failed:\n{done.stderr}"
+    if "/v1/chat/completions" in command:
+        assert '"object":"chat.completion.chunk"' in done.stdout
+        assert '"finish_reason":"stop"' in done.stdout or '"finish_reason":"length"' in done.stdout
+        assert done.stdout.rstrip().endswith("data: [DONE]")
+        return
     assert "event: response.output_text.delta" in done.stdout
     assert "event: response.completed" in done.stdout or "event: response.incomplete" in done.stdout
 

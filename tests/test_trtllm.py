@@ -23,6 +23,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import openai
 import pytest
 
 from gateway.engines import trtllm
@@ -1080,6 +1081,27 @@ def test_smoke_script_runs_on_the_standin() -> None:
         assert label in result.stdout
     for item in ("item 1", "item 3", "item 10"):
         assert f"[{item}] PASS" in result.stdout, result.stdout
+
+
+async def test_chat_completions_serve_trtllm(standin: ModuleType) -> None:
+    standin.controls.reply = "Paris is the capital of France."
+    async with running_gateway(standin_engine()) as gw:
+        client = openai.AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key="k", max_retries=0)
+        async with client:
+            question: Any = [{"role": "user", "content": "What is the capital of France?"}]
+            stream = await client.chat.completions.create(
+                model="default", messages=question, stream=True,
+                stream_options={"include_usage": True},
+            )  # fmt: skip
+            chunks = [chunk async for chunk in stream]
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert text == "Paris is the capital of France."
+            usage = chunks[-1].usage
+            assert usage is not None
+            assert usage.prompt_tokens == len(standin.stats.requests[-1].prompt_token_ids)
+            whole = await client.chat.completions.create(model="default", messages=question)
+            assert whole.choices[0].message.content == text
+            assert whole.choices[0].finish_reason == "stop"
 
 
 async def test_the_responses_websocket_serves_trtllm(standin: ModuleType) -> None:

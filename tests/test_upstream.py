@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
+import openai
 import orjson
 import pytest
 
@@ -715,3 +716,25 @@ async def test_the_penalties_reach_the_upstream_server(servers: list[LlamaServer
         turn = await c.respond(max_output_tokens=4, presence_penalty=-0.5, temperature=0)
         assert turn.status in ("completed", "incomplete")
     assert (1.25, -0.5) in await penalties_seen()
+
+
+async def test_chat_completions_stream_through_the_upstream_pool(
+    servers: list[LlamaServer],
+) -> None:
+    async with gateway_on([s.url for s in servers]) as gw:
+        client = openai.AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key="k", max_retries=0)
+        async with client:
+            question: Any = [{"role": "user", "content": STORY}]
+            stream = await client.chat.completions.create(
+                model="default", messages=question, max_tokens=16, temperature=0,
+                stream=True, stream_options={"include_usage": True},
+            )  # fmt: skip
+            chunks = [chunk async for chunk in stream]
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+            assert text and finish[-1] == "length"
+            assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+            whole = await client.chat.completions.create(
+                model="default", messages=question, max_tokens=16, temperature=0
+            )
+            assert whole.choices[0].message.content == text

@@ -103,8 +103,10 @@ class ChatCompletionsHttp:
         if self._refused(request, reply, engine=False):
             return
         name = request.params["id"]
-        if name not in self.served_names():
-            _error(reply, model_not_found(name))
+        try:
+            codec.check_model(name, self.served_names())
+        except errors.ProtocolError as err:
+            _error(reply, err)
             return
         reply.send_json(200, self._model_json(name))
 
@@ -115,9 +117,6 @@ class ChatCompletionsHttp:
             return
         try:
             command = cc.decode(request.body)
-            wanted = command.body.model
-            if self._config.served_model_names and wanted not in self.served_names():
-                raise model_not_found(wanted or "")
         except errors.ProtocolError as err:
             _error(reply, err)
             return
@@ -163,14 +162,6 @@ class ChatCompletionsHttp:
         err = errors.ProtocolError(refused.code, refused.message, error_type=refused.error_type)
         reply.send_json(refused.status, cc.error_json(err), refused.headers)
         return True
-
-
-def model_not_found(name: str) -> errors.ProtocolError:
-    return errors.ProtocolError(
-        "model_not_found",
-        f"The model '{name}' does not exist or you do not have access to it.",
-        param="model",
-    )
 
 
 def _error(reply: HttpReply, err: errors.ProtocolError) -> None:

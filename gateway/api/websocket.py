@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
+import urllib.parse
 from collections.abc import Sequence
 
 from websockets.asyncio.server import ServerConnection
@@ -152,6 +154,7 @@ class WebSocketEndpoint:
         if upgrade is None:
             session = self._table.open(*REALTIME.make(self._dialects))
             session.outbox.attach(wire)
+            self._check_url_model(ws, session)
         else:
             try:
                 session = await self._resumes.responses_session(upgrade, ws, wire)
@@ -176,6 +179,18 @@ class WebSocketEndpoint:
             self._wires.discard(wire)
             if session is not None:
                 await self._let_go(ws, wire, session)
+
+    def _check_url_model(self, ws: ServerConnection, session: Session) -> None:
+        """A Realtime URL's ``?model=`` outside ``--served-model-name``: an error event after
+        ``session.created``, the session going on with the served model (OpenAI's clients
+        always name one there)."""
+        path = ws.request.path if ws.request is not None else ""
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(path).query)
+        try:
+            for name in query.get("model", [])[:1]:
+                codec.check_model(name, session.limits.served_models)
+        except errors.ProtocolError as err:
+            session.call_soon(functools.partial(session.dialect.error, err))
 
     async def handle_relayed(self, ws: ServerConnection) -> None:
         """A resume another worker received for a session of ours

@@ -82,6 +82,14 @@ REFUSED: dict[str, str] = {
     "web_search_options": "Web search runs on OpenAI's servers; this gateway has none.",
 }
 _FIELDS = SERVED | frozenset(IGNORED) | frozenset(REFUSED)
+# An answer's message as the SDKs hand it back for the history: openai-node's stream
+# helper adds ``parsed`` (and ``parsed_arguments`` to its calls), and a message carries
+# ``annotations`` and null ``audio`` / ``function_call``. Accepted; only the text and the
+# calls go into the prompt.
+_ASSISTANT_FIELDS = frozenset(
+    {"role", "content", "name", "tool_calls", "refusal", "annotations", "audio"}
+    | {"function_call", "parsed"}
+)
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
@@ -234,7 +242,7 @@ def _message(m: Reader) -> Message:
         call_id = m.string("tool_call_id", max_chars=MAX_ID_CHARS)
         return Message("tool", _content(m, ("text",)), tool_call_id=call_id)
     if role == "assistant":
-        m.only(frozenset({"role", "content", "name", "tool_calls", "refusal"}))
+        m.only(_ASSISTANT_FIELDS)
         for key in ("audio", "function_call"):
             if m.obj.get(key) is not None:
                 raise _unsupported(m, key, REFUSED[key])
@@ -286,7 +294,7 @@ def _tool_calls(m: Reader) -> tuple[ToolCall, ...]:
         call_id = c.string("id", max_chars=MAX_ID_CHARS)
         c.required("function")
         f = c.child("function")
-        f.only(frozenset({"name", "arguments"}))
+        f.only(frozenset({"name", "arguments", "parsed_arguments"}))  # see _ASSISTANT_FIELDS
         f.required("name")
         f.required("arguments")
         calls.append(ToolCall(call_id, f.string("name", max_chars=64), f.string("arguments")))

@@ -94,6 +94,7 @@ class ChatDialect:
 
     def _start(self, body: cc.ChatBody) -> None:
         core, c = self.core, self.core.config
+        codec.check_model(body.model, core.limits.served_models)
         messages = body.messages
         if not body.has_system and c.instructions:
             messages = (Message("system", c.instructions), *messages)

@@ -155,6 +155,8 @@ class RealtimeDialect:
     def _session_update(self, event: rt.SessionUpdate) -> None:
         core = self.core
         changes = {k: getattr(event.patch, k) for k in event.patch.__slots__}
+        if changes["model"] != codec.UNSET:
+            codec.check_model(changes["model"], core.limits.served_models, event.event_id)
         config = replace(core.config, **{k: v for k, v in changes.items() if v != codec.UNSET})
         check_named_choice(config.tools, config.tool_choice, "session", event.event_id)
         core.config = config

@@ -229,6 +229,7 @@ class ResponsesDialect:
         self.core.outbox.put(event)
 
     def _create(self, body: rp.CreateBody) -> None:
+        codec.check_model(body.model, self.core.limits.served_models)
         lane = self._lanes.get(body.stream_id)
         if lane is None:
             if body.stream_id is not None and sum(k is not None for k in self._lanes) >= MAX_LANES:
