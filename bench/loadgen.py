@@ -12,7 +12,9 @@ gateway's Responses WebSocket dialect at ``/v1/responses``: one ``response.creat
 per turn, on one lane or, with ``Workload.lanes``, on that many named lanes of one
 connection), ``("http", base_url)`` (``POST /v1/responses`` over keep-alive HTTP/1.1,
 streamed as server-sent events or answered as one JSON ``Response``: the gateway
-or bench/baselines/fastapi_sse_server.py) and ``("engine", params)`` (the SimEngine in the
+or bench/baselines/fastapi_sse_server.py), ``("chat", base_url)`` (``POST
+/v1/chat/completions`` the same way, its chunks or one ``chat.completion``) and
+``("engine", params)`` (the SimEngine in the
 worker process itself, driven directly (EngineDriver): the bare-engine baseline,
 no network, no gateway).
 
@@ -519,19 +521,12 @@ class HttpSession:
             await self._connect()
         assert self.writer is not None
         self.turns += 1
-        body: dict[str, Any] = {
-            "input": f"{w.prompt} (session {self.index}, turn {self.turns})",
-            "stream": w.stream,
-            "store": w.store,
-        }
-        if w.chain and w.store and self.previous:
-            body["previous_response_id"] = self.previous
-        payload = orjson.dumps(body)
+        payload = orjson.dumps(self._request_body(w))
         request = (
-            b"POST /v1/responses HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%b" % (self.host.encode(), len(payload), payload)
+            b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (self.PATH, self.host.encode(), len(payload), payload)
         )
-        turn = _ResponsesTurn(now(), record)
+        turn = self._new_turn(record)
         self.writer.write(request)
         try:
             status, headers = await self._head()
@@ -554,22 +549,39 @@ class HttpSession:
             await self.close()  # a turn cut short leaves the connection mid-answer
             raise
 
-    async def _events(self, turn: _ResponsesTurn, win: Window, tally: Tally) -> None:
+    PATH = b"/v1/responses"
+
+    def _request_body(self, w: Workload) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "input": f"{w.prompt} (session {self.index}, turn {self.turns})",
+            "stream": w.stream,
+            "store": w.store,
+        }
+        if w.chain and w.store and self.previous:
+            body["previous_response_id"] = self.previous
+        return body
+
+    def _new_turn(self, record: bool) -> Any:
+        return _ResponsesTurn(now(), record)
+
+    async def _events(self, turn: Any, win: Window, tally: Tally) -> None:
         pending = b""
         async for t, chunk in self._chunks():
             pending += chunk
             while (end := pending.find(b"\n\n")) >= 0:
                 block, pending = pending[:end], pending[end + 2 :]
                 data = block.find(b"data: ")
-                if data < 0:
-                    continue
-                event = orjson.loads(block[data + 6 :])
-                tally.frames += t in win
-                if turn.on_event(event, t, win, tally) == "done" and event["type"] in _TERMINAL:
-                    self.previous = turn.response_id
+                if data >= 0:
+                    tally.frames += t in win
+                    self._on_data(turn, block[data + 6 :], t, win, tally)
+
+    def _on_data(self, turn: Any, data: bytes, t: float, win: Window, tally: Tally) -> None:
+        event = orjson.loads(data)
+        if turn.on_event(event, t, win, tally) == "done" and event["type"] in _TERMINAL:
+            self.previous = turn.response_id
 
     def _whole(
-        self, turn: _ResponsesTurn, response: dict[str, Any], t: float, win: Window, tally: Tally
+        self, turn: Any, response: dict[str, Any], t: float, win: Window, tally: Tally
     ) -> None:
         text = "".join(
             part.get("text", "")
@@ -587,6 +599,74 @@ class HttpSession:
         tokens = (response.get("usage") or {}).get("output_tokens", 0)
         self.previous = response.get("id")
         _finish_turn(tally, turn, response["status"], tokens, t)
+
+
+class _ChatTurn(_Turn):
+    """A Chat Completions turn: its ``chat.completion.chunk`` objects (usage last)."""
+
+    finish_reason: str | None = None
+
+    def on_chunk(self, chunk: dict[str, Any], t: float, win: Window, tally: Tally) -> None:
+        if "error" in chunk:
+            tally.errors[chunk["error"].get("code") or "failed"] += self.record
+            _finish_turn(tally, self, "failed", 0, t)
+            return
+        for choice in chunk["choices"]:
+            delta = choice["delta"].get("content")
+            if delta:
+                self.parts.append(delta)
+                if t in win:
+                    tally.delta_frames += 1
+                    tally.chars += len(delta)
+                if not self.first:
+                    self.first = t
+                elif self.record:
+                    tally.gaps.append(t - self.last)
+                self.last = t
+            self.finish_reason = choice["finish_reason"] or self.finish_reason
+        usage = chunk.get("usage")
+        if usage is not None:  # the last chunk (stream_options.include_usage)
+            status = "incomplete" if self.finish_reason == "length" else "completed"
+            _finish_turn(tally, self, status, usage["completion_tokens"], t)
+
+
+class ChatHttpSession(HttpSession):
+    """``POST /v1/chat/completions`` on one keep-alive connection, a request per turn; with
+    ``stream``, its chunks as they arrive (``stream_options.include_usage``)."""
+
+    PATH = b"/v1/chat/completions"
+
+    def _request_body(self, w: Workload) -> dict[str, Any]:
+        content = f"{w.prompt} (session {self.index}, turn {self.turns})"
+        body: dict[str, Any] = {
+            "model": "default",
+            "messages": [{"role": "user", "content": content}],
+            "stream": w.stream,
+        }
+        if w.stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    def _new_turn(self, record: bool) -> Any:
+        return _ChatTurn(now(), record)
+
+    def _on_data(self, turn: Any, data: bytes, t: float, win: Window, tally: Tally) -> None:
+        if data != b"[DONE]":
+            turn.on_chunk(orjson.loads(data), t, win, tally)
+
+    def _whole(
+        self, turn: Any, response: dict[str, Any], t: float, win: Window, tally: Tally
+    ) -> None:
+        choice = response["choices"][0]
+        text = choice["message"]["content"] or ""
+        turn.parts.append(text)
+        turn.first = turn.last = t
+        if t in win:
+            tally.frames += 1
+            tally.delta_frames += 1
+            tally.chars += len(text)
+        status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+        _finish_turn(tally, turn, status, response["usage"]["completion_tokens"], t)
 
 
 class EngineSession:
@@ -660,8 +740,8 @@ def raise_nofile() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-# ("ws", url), ("responses", url), ("http", base_url) or ("engine", SimEngine keyword
-# arguments)
+# ("ws", url), ("responses", url), ("http", base_url), ("chat", base_url) or ("engine",
+# SimEngine keyword arguments)
 Target = tuple[str, Any]
 
 
@@ -689,6 +769,7 @@ async def _open_sessions(
         "ws": WsSession.open,
         "responses": ResponsesSession.open,
         "http": HttpSession.open,
+        "chat": ChatHttpSession.open,
     }[kind]
 
     async def one(i: int) -> Any:

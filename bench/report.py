@@ -25,7 +25,39 @@ LABELS = {
     "http": "gateway, POST /v1/responses",
     "fastapi": "FastAPI + uvicorn (h11)",
     "fastapi-httptools": "FastAPI + uvicorn (httptools)",
+    "chat": "gateway, POST /v1/chat/completions",
+    "fastapi-chat": "FastAPI + uvicorn (h11), chat",
+    "fastapi-httptools-chat": "FastAPI + uvicorn (httptools), chat",
 }
+
+
+RPS_HEADER = [
+    "system",
+    "connections",
+    "requests/s",
+    "CPU (cores)",
+    "CPU µs/request",
+    "latency p50",
+    "latency p99",
+    "errors",
+    "lost text",
+    "other CPU",
+]
+
+
+def _rps_row(r: Row) -> list[Any]:
+    return [
+        label(r),
+        r["sessions"],
+        r["completed_s"],
+        r["server_cpu_util"],
+        r["cpu_us_per_request"],
+        r["e2e_p50"],
+        r["e2e_p99"],
+        r["errors"] + r["timeouts"] + r["unfinished"] + r["refused"],
+        r["text_mismatch"],
+        r.get("other_cpu_util"),
+    ]
 
 
 def label(row: Row) -> str:
@@ -334,6 +366,40 @@ def responses_targets(rows: Sequence[Row], settings: dict[str, Any]) -> list[lis
                 "CPU/request",
                 f"{LABELS[name]} {_spread(fa, 0)} requests/s, "
                 f"{fmt(_avg(_values(rows, 'rps', name, 'cpu_us_per_request')), 0)} µs "
+                f"CPU/request: {cell}",
+                "n/a",
+            ]
+        )
+    responses_sse = _values(rows, "chat", "http", "cpu_us_per_token")
+    chat_sse = _values(rows, "chat", "chat", "cpu_us_per_token")
+    if responses_sse and chat_sse:
+        x, cell = _ratio_cell(chat_sse, responses_sse)
+        out.append(
+            [
+                "Chat Completions SSE (stream: true, include_usage): CPU µs/token <= 1.1x "
+                "Responses SSE's",
+                f"{_spread(chat_sse)} µs/token, "
+                f"{fmt(_avg(_values(rows, 'chat', 'chat', 'tokens_s')))} tokens/s",
+                f"POST /v1/responses {_spread(responses_sse)} µs/token, "
+                f"{fmt(_avg(_values(rows, 'chat', 'http', 'tokens_s')))} tokens/s: {cell}",
+                _verdict(None if math.isnan(x) else x <= 1.1),
+            ]
+        )
+    gw = _values(rows, "chat-rps", "chat", "completed_s")
+    for name in ("fastapi-chat", "fastapi-httptools-chat"):
+        fa = _values(rows, "chat-rps", name, "completed_s")
+        if not (gw and fa):
+            continue
+        _, cell = _ratio_cell(gw, fa)
+        out.append(
+            [
+                "short non-streaming chat completions (8 tokens, 64 keep-alive connections): "
+                f"requests/s beside {LABELS[name]} (no target)",
+                f"gateway {_spread(gw, 0)} requests/s, "
+                f"{fmt(_avg(_values(rows, 'chat-rps', 'chat', 'cpu_us_per_request')), 0)} µs "
+                "CPU/request",
+                f"{LABELS[name]} {_spread(fa, 0)} requests/s, "
+                f"{fmt(_avg(_values(rows, 'chat-rps', name, 'cpu_us_per_request')), 0)} µs "
                 f"CPU/request: {cell}",
                 "n/a",
             ]
@@ -915,49 +981,43 @@ def responses_sections(results: dict[str, Any]) -> list[str]:
         header = [*RATE_HEADER]
         header[header.index("vs bare")] = "vs WS"
         lines += _table(header, _rate_rows(rows, "http", ws))
-    rps = [r for r in rows if r["scenario"] == "rps"]
-    if rps:
-        eng = settings.get("rps", {})
+    for scenario, route, body_kind in (
+        ("rps", "POST /v1/responses", "a JSON `Response`"),
+        ("chat-rps", "POST /v1/chat/completions", "one `chat.completion`"),
+    ):
+        rps = [r for r in rows if r["scenario"] == scenario]
+        if not rps:
+            continue
+        eng = settings.get(scenario, {})
         lines += [
-            "## Short non-streaming answers: requests per second",
+            f"## Short non-streaming answers: requests per second, {route}",
             "",
-            f"`POST /v1/responses` with `stream: false` (a JSON `Response`), "
+            f"`{route}` with `stream: false` ({body_kind}), "
             f"{fmt(eng.get('response_tokens'))}-token answers of the sim flat out, "
             f"{fmt(eng.get('sessions'))} keep-alive connections each sending its next request "
             "as soon as the answer is in; the gateway against the FastAPI + uvicorn endpoint "
-            "(the same answers, on the same clock). Times in ms.",
+            "(the same answers to the same bodies, on the same clock). Times in ms.",
             "",
         ]
-        body = [
-            [
-                label(r),
-                r["sessions"],
-                r["completed_s"],
-                r["server_cpu_util"],
-                r["cpu_us_per_request"],
-                r["e2e_p50"],
-                r["e2e_p99"],
-                r["errors"] + r["timeouts"] + r["unfinished"] + r["refused"],
-                r["text_mismatch"],
-                r.get("other_cpu_util"),
-            ]
-            for r in rps
+        lines += _table(RPS_HEADER, [_rps_row(r) for r in rps])
+    chat = [r for r in rows if r["scenario"] == "chat"]
+    if chat:
+        eng = settings.get("chat", {})
+        responses = _avg(_values(rows, "chat", "http", "tokens_s"))
+        lines += [
+            "## Chat Completions over SSE, beside the Responses API's",
+            "",
+            f"The HTTP load ({fmt(eng.get('sessions'))} keep-alive connections x "
+            f"{fmt(eng.get('response_tokens'))}-token answers, the sim flat out, no pause) "
+            "as `POST /v1/chat/completions` with `stream: true` and "
+            "`stream_options.include_usage` (a `data:` chunk per token), alternating with "
+            "`POST /v1/responses` (`stream: true`) on fresh gateway processes, three times each. "
+            "*vs Responses* divides tokens/s by the Responses rows' mean.",
+            "",
         ]
-        lines += _table(
-            [
-                "system",
-                "connections",
-                "requests/s",
-                "CPU (cores)",
-                "CPU µs/request",
-                "latency p50",
-                "latency p99",
-                "errors",
-                "lost text",
-                "other CPU",
-            ],
-            body,
-        )
+        header = [*RATE_HEADER]
+        header[header.index("vs bare")] = "vs Responses"
+        lines += _table(header, _rate_rows(rows, "chat", responses))
     warm = results.get("warmup") or {}
     if warm.get("runs"):
         lines += [

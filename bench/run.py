@@ -91,8 +91,11 @@ SYSTEMS = {
     "upstream": "gateway --engine upstream, in front of bench/sse_server.py",
     "responses": "gateway, Responses WebSocket dialect",
     "http": "gateway, POST /v1/responses",
+    "chat": "gateway, POST /v1/chat/completions",
     "fastapi": "FastAPI + uvicorn (h11), bench/baselines/fastapi_sse_server.py",
     "fastapi-httptools": "FastAPI + uvicorn (httptools), bench/baselines/fastapi_sse_server.py",
+    "fastapi-chat": "FastAPI + uvicorn (h11), its POST /v1/chat/completions",
+    "fastapi-httptools-chat": "FastAPI + uvicorn (httptools), its POST /v1/chat/completions",
 }
 
 
@@ -143,10 +146,10 @@ def serving(system: str, engine: Engine, loop: str) -> Iterator[Serving]:
             step_ms=engine.step_ms,
             response_tokens=engine.response_tokens,
             loop=loop,
-            http="httptools" if name == "fastapi-httptools" else "h11",
+            http="httptools" if name.startswith("fastapi-httptools") else "h11",
         )
         with server_process(argv) as server:
-            http: Target = ("http", server.http_url)
+            http: Target = ("chat" if name.endswith("-chat") else "http", server.http_url)
             yield Serving(http, server.pid, workers=2, loop=loop, http_get=server.get)
         return
     if name == "bare":
@@ -165,8 +168,8 @@ def serving(system: str, engine: Engine, loop: str) -> Iterator[Serving]:
         target: Target = ("ws", server.ws_url)
         if name == "responses":
             target = ("responses", server.responses_url)
-        elif name == "http":
-            target = ("http", server.http_url)
+        elif name in ("http", "chat"):
+            target = (name, server.http_url)
         yield Serving(target, server.pid, workers=2, loop=loop, http_get=server.get)
 
 
@@ -447,6 +450,8 @@ SCENARIOS = (
     "lanes",
     "http",
     "rps",
+    "chat",
+    "chat-rps",
 )
 
 
@@ -574,6 +579,21 @@ def standard(quick: bool, loop: str, only: set[str] | None = None) -> dict[str, 
         rps = [replace(base, sessions=64, think=(0.0, 0.0), stream=False, chain=False)]
         run_systems("rps", ["http", *fastapi] * 2, rps_engine, rps, rows, loop)
         settings["rps"] = asdict(rps_engine) | {"sessions": 64}
+
+    # 13. Chat Completions: the HTTP load as POST /v1/chat/completions (stream: true with
+    #     stream_options.include_usage), alternating with POST /v1/responses on the same
+    #     clock, three times each; then the requests-per-second load as non-streaming chat
+    #     requests, beside the FastAPI endpoint answering the same chat bodies.
+    if want("chat"):
+        http = [replace(frame[0], chain=False)]
+        run_systems("chat", ["http", "chat"] * 3, frame_engine, http, rows, loop)
+        settings["chat"] = asdict(frame_engine) | {"sessions": http[0].sessions}
+    if want("chat-rps"):
+        rps_engine = Engine(step_ms=0, response_tokens=8)
+        rps = [replace(base, sessions=64, think=(0.0, 0.0), stream=False, chain=False)]
+        chat_fastapi = [f"{name}-chat" for name in fastapi]
+        run_systems("chat-rps", ["chat", *chat_fastapi] * 2, rps_engine, rps, rows, loop)
+        settings["chat-rps"] = asdict(rps_engine) | {"sessions": 64}
 
     settings |= {
         "quick": quick,

@@ -1,5 +1,6 @@
 """The framework baseline: a FastAPI + uvicorn ``POST /v1/responses`` answering the
-gateway's Responses events, with no gateway logic.
+gateway's Responses events (and ``POST /v1/chat/completions`` its chunks), with no
+gateway logic.
 
 What a user would otherwise put in front of an engine (trtllm-serve and vLLM serve
 HTTP this way). ``stream: true`` answers ``text/event-stream``: the same event
@@ -45,6 +46,10 @@ MODEL = "sim"
 _DELTA = (
     b'{"type":"response.output_text.delta","sequence_number":%d,"item_id":"%b"'
     b',"output_index":0,"content_index":0,"logprobs":[],"delta":%b}'
+)
+# The gateway's chunk template (sessions/chat/dialect.py): the head object, still open.
+_CHAT_DELTA = (
+    b'%b,"choices":[{"index":0,"delta":{"content":%b},"logprobs":null,"finish_reason":null}]}'
 )
 _ids = itertools.count(1)
 
@@ -136,6 +141,16 @@ class Answers:
             self.ticker = Ticker(self.step_s)
         return self.ticker
 
+    async def wait_out(self, steps: int) -> None:
+        """As long as ``steps`` steps of the clock take (a non-streaming answer)."""
+        ticker = self.clock()
+        seen = start = ticker.join()
+        try:
+            while seen - start < steps:
+                seen = await ticker.wait(seen)
+        finally:
+            ticker.leave()
+
 
 def build_app(answers: Answers) -> FastAPI:
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
@@ -155,18 +170,46 @@ def build_app(answers: Answers) -> FastAPI:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        ticker = answers.clock()
-        seen = start = ticker.join()
-        try:
-            while seen - start < len(tokens):
-                seen = await ticker.wait(seen)
-        finally:
-            ticker.leave()
+        await answers.wait_out(len(tokens))
         text = "".join(tokens)
         output = [_message(item_id, "completed", text)]
         usage = _usage(prompt, len(tokens))
         raw = orjson.dumps(_response(rid, "completed", output, usage, body))
         return Response(raw, media_type="application/json")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            error = {"message": "messages is required", "type": "invalid_request_error"}
+            return JSONResponse({"error": error}, status_code=400)
+        prompt = str(messages[-1].get("content", ""))
+        tokens = answers.tokens({"input": prompt, "max_output_tokens": body.get("max_tokens")})
+        head = {
+            "id": _id("chatcmpl"),
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": body.get("model") or MODEL,
+        }
+        if body.get("stream"):
+            usage = (body.get("stream_options") or {}).get("include_usage", False)
+            return StreamingResponse(
+                chat_stream(answers, head, tokens, prompt, usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        await answers.wait_out(len(tokens))
+        message = {"role": "assistant", "content": "".join(tokens), "refusal": None}
+        completion = {
+            **head,
+            "object": "chat.completion",
+            "choices": [
+                {"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}
+            ],
+            "usage": _chat_usage(prompt, len(tokens)),
+        }
+        return Response(orjson.dumps(completion), media_type="application/json")
 
     @app.get("/readyz")
     async def readyz() -> Response:
@@ -213,6 +256,47 @@ async def stream(
     yield _numbered(next(seq), "response.output_item.done", output_index=0, item=done)
     final = _response(rid, "completed", [done], _usage(prompt, len(tokens)), body)
     yield _numbered(next(seq), "response.completed", response=final)
+
+
+def _chat_usage(prompt: str, output: int) -> dict[str, Any]:
+    tokens = len(prompt.split()) + 2
+    return {
+        "prompt_tokens": tokens,
+        "completion_tokens": output,
+        "total_tokens": tokens + output,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+async def chat_stream(
+    answers: Answers, head: dict[str, Any], tokens: list[str], prompt: str, usage: bool
+) -> AsyncIterator[bytes]:
+    """The gateway's chunks: the role first, a content delta per token (from the same kind
+    of bytes template), the finish reason, the usage, ``[DONE]``."""
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return b"data: %b\n\n" % orjson.dumps({**head, "choices": [choice]})
+
+    yield chunk({"role": "assistant", "content": ""})
+    prefix = orjson.dumps(head)[:-1]
+    ticker = answers.clock()
+    seen = ticker.join()
+    sent = 0
+    try:
+        while sent < len(tokens):
+            steps = await ticker.wait(seen)
+            for token in tokens[sent : sent + steps - seen]:
+                yield b"data: " + _CHAT_DELTA % (prefix, orjson.dumps(token)) + b"\n\n"
+                sent += 1
+            seen = steps
+    finally:
+        ticker.leave()
+    yield chunk({}, "stop")
+    if usage:
+        last = {**head, "choices": [], "usage": _chat_usage(prompt, len(tokens))}
+        yield b"data: %b\n\n" % orjson.dumps(last)
+    yield b"data: [DONE]\n\n"
 
 
 def main() -> None:
