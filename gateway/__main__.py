@@ -166,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="host name in session ids, for routing",
     )
     server.add_argument(
+        "--no-responses-websocket",
+        action="store_true",
+        help="no Responses WebSocket: upgrades get 426",
+    )
+    server.add_argument(
         "--no-coalesce", action="store_true", help="a frame per delta, no merging (benchmarks)"
     )
     server.add_argument(
@@ -379,6 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a model name to serve (repeatable)",
     )
     engine.add_argument(
+        "--hosted-tools",
+        choices=("ignore", "refuse"),
+        default="ignore",
+        metavar="MODE",
+        help="drop or refuse hosted tools",
+    )
+    engine.add_argument(
         "--instructions",
         metavar="TEXT",
         help="new sessions' instructions (default: engine's)",
@@ -443,10 +455,12 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         response_store_ttl=args.response_store_ttl,
         responses_max_age=args.responses_max_age,
         served_model_names=tuple(args.served_model_name),
+        hosted_tools=args.hosted_tools,
         background_retention=args.background_retention,
         session_store=args.session_store,
         drain_timeout=args.drain_timeout,
         coalesce=not args.no_coalesce,
+        responses_websocket=not args.no_responses_websocket,
         instructions=args.instructions,
         worker=str(args.worker_index or 0),
         worker_dir=args.worker_dir,

@@ -190,6 +190,11 @@ class Metrics:
             "WebSocket handshakes refused, by HTTP status.",
             ["status"],
         )
+        self.websocket_connections = self._counter(
+            "gateway_websocket_connections_total",
+            "WebSocket connections accepted, by API (realtime, responses).",
+            ["api"],
+        )
         self.handshakes_dropped = self._counter(
             "gateway_handshakes_dropped_total",
             "Connections dropped before sending a whole request: too many waiting "

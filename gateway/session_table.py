@@ -47,7 +47,9 @@ class SessionTable:
         self._owner_tag = owner_tag  # which process and worker holds a session, in its id
         # What a new session starts with: the engine's and the command line's defaults.
         self.defaults = defaults
-        self.limits = SessionLimits(served_models=config.served_model_names)
+        self.limits = SessionLimits(
+            served_models=config.served_model_names, hosted_tools=config.hosted_tools
+        )
         self.keeper: SessionKeeper | None = None
         self._by_id: dict[str, Session] = {}
         self._tasks: set[asyncio.Task[None]] = set()

@@ -28,6 +28,9 @@ MAX_STOP_SEQUENCES = 4
 MAX_METADATA_PAIRS = 16
 MAX_ID_CHARS = 64
 MAX_TOOLS = 128
+# A prompt_cache_key's engine affinity key, the same on every route: requests that send
+# one share an engine slot (its KV cache), whichever API they come by.
+PROMPT_CACHE_KEY = "prompt_cache_key "
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 # ---------------------------------------------------------------------------

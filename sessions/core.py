@@ -58,6 +58,8 @@ class SessionLimits:
     max_unhandled_events: int = 64  # the reader waits beyond this: TCP backpressure
     # --served-model-name: the model names a request may name; empty: any name is served.
     served_models: tuple[str, ...] = ()
+    # --hosted-tools: what a Responses request's hosted tools (web_search...) get.
+    hosted_tools: str = "ignore"  # left out of the prompt; "refuse": unsupported_value
 
 
 @dataclass(frozen=True, slots=True)

@@ -746,8 +746,15 @@ async def test_e2e_chat_completions_build_the_prompt_the_responses_route_builds(
     to answer with garbage)."""
     client = openai.AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key="k", max_retries=0)
     async with client:
-        answer = await client.responses.create(model="default", input=FRANCE.text)
+        answer = await client.responses.create(
+            model="default", input=FRANCE.text, prompt_cache_key="france-responses"
+        )
         assert "Paris" in answer.output_text
+        again = await client.responses.create(
+            model="default", input=FRANCE.text, prompt_cache_key="france-responses"
+        )
+        # Each HTTP request is a session of its own: the key keeps them on one slot.
+        assert again.usage is not None and again.usage.input_tokens_details.cached_tokens
         question: Any = [{"role": "user", "content": FRANCE.text}]
         chat = await client.chat.completions.create(
             model="default", messages=question, prompt_cache_key="france"

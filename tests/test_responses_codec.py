@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import typing
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from openai.types.responses import response_create_params as create_params
+from openai.types.responses import tool_param
 
 from sessions import codec, errors
 from sessions.responses import codec as rs
+from sessions.responses import tools as rtools
 
 
 def create(**body: Any) -> rs.CreateBody:
@@ -231,6 +237,122 @@ def test_tools_and_tool_choice() -> None:
         assert create(tool_choice=mode).tool_choice == mode
 
 
+def test_namespace_tools_are_offered_flat_and_map_back() -> None:
+    """Codex's multi_agent_v1 namespace: its functions reach the engine as NS__NAME."""
+    space = {
+        "type": "namespace",
+        "name": "agents",
+        "description": "Sub-agents.",
+        "tools": [
+            {"type": "function", "name": "spawn", "description": "Start one.", "strict": False},
+            {"type": "function", "name": "close", "parameters": {"type": "object"}},
+        ],
+    }
+    body = create(
+        tools=[{"type": "function", "name": "spawn"}, space],
+        tool_choice={"type": "function", "name": "close"},
+    )
+    assert [t.name for t in body.tools] == ["spawn", "agents__spawn", "agents__close"]
+    assert [(n.flat, n.namespace, n.name) for n in body.namespaced] == [
+        ("agents__spawn", "agents", "spawn"),
+        ("agents__close", "agents", "close"),
+    ]
+    # A name both plain and namespaced is the plain one; an inner name alone maps to its flat.
+    assert body.tool_choice == "agents__close"
+    assert (
+        create(
+            tools=[{"type": "function", "name": "spawn"}, space],
+            tool_choice={"type": "function", "name": "spawn"},
+        ).tool_choice
+        == "spawn"
+    )
+    echoed = rtools.tools_echo(body.tools, body.namespaced)
+    assert [t["type"] for t in echoed] == ["function", "namespace"]
+    assert [t["name"] for t in echoed[1]["tools"]] == ["spawn", "close"]
+    # A call sent back with its namespace is the flat call the model made.
+    call = {"type": "function_call", "call_id": "c1", "namespace": "agents", "name": "close"}
+    body = create(input=[{**call, "arguments": "{}"}])
+    assert items(body)[0]["name"] == "agents__close"
+
+
+def test_hosted_tools_are_noted_for_the_dialect_and_left_out() -> None:
+    body = create(
+        tools=[
+            {"type": "web_search", "external_web_access": False},
+            {"type": "function", "name": "f"},
+            {"type": "mcp"},
+        ]
+    )
+    assert [t.name for t in body.tools] == ["f"]
+    assert body.hosted_tools == (("tools[0]", "web_search"), ("tools[2]", "mcp"))
+
+
+def test_reasoning_items_are_accepted_and_left_out_of_the_prompt() -> None:
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAA"}
+    body = create(input=[reasoning, message("user", "hi"), {"type": "reasoning", "summary": []}])
+    assert items(body) == [{"id": None, "role": "user", "text": "hi"}]
+
+
+def test_what_codex_sends_is_accepted() -> None:
+    """The fields of Codex 0.169's first request (tests/test_codex.py runs Codex itself)."""
+    body = create(
+        model="gpt-5-codex",
+        input=[
+            message("developer", [{"type": "input_text", "text": "You are Codex."}], id="msg_1"),
+            message("user", "Say hello"),
+        ],
+        tools=[
+            {
+                "type": "function",
+                "name": "exec_command",
+                "strict": False,
+                "parameters": {"type": "object", "properties": {}},
+            },
+            {"type": "web_search", "external_web_access": False},
+        ],
+        tool_choice="auto",
+        parallel_tool_calls=True,
+        reasoning={"summary": "auto"},
+        store=False,
+        include=["reasoning.encrypted_content"],
+        prompt_cache_key="01a2-thread",
+        client_metadata={"x-codex-installation-id": "c8c4"},
+        stream=True,
+    )
+    assert body.affinity_key == codec.PROMPT_CACHE_KEY + "01a2-thread"
+    assert [t.name for t in body.tools] == ["exec_command"]
+
+
+def test_every_create_field_and_tool_type_of_the_sdk_has_an_answer() -> None:
+    """Each field of openai-python's ResponseCreateParams, and each type of its Tool
+    union, is served, accepted and ignored, or refused: a new one fails here until placed."""
+    sdk_fields = set(create_params.ResponseCreateParamsBase.__annotations__)
+    sdk_fields |= set(create_params.ResponseCreateParamsStreaming.__annotations__)
+    placed = rs.SERVED | set(rs.IGNORED) | set(rs.REFUSED)
+    assert sdk_fields - placed == set(), "fields of the SDK with no answer"
+    # The answers for fields the SDK lacks: the gateway's extensions, and Codex's field.
+    assert placed - sdk_fields == {"client_metadata"}
+    assert not rs.EXTENSIONS & sdk_fields
+    sdk_types = set()
+    for tool in typing.get_args(tool_param.ToolParam):
+        annotation = typing.get_type_hints(tool, include_extras=True)["type"]
+        while typing.get_origin(annotation) is not typing.Literal:
+            annotation = typing.get_args(annotation)[0]
+        sdk_types |= set(typing.get_args(annotation))
+    placed = rtools.SERVED_TOOL_TYPES | rtools.REFUSED_TOOL_TYPES | rtools.HOSTED_TOOL_TYPES
+    assert sdk_types == placed
+
+
+def test_docs_give_every_create_field_and_tool_type_its_answer() -> None:
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
+    section = docs.split("\n### The create body\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ", 1)[0] for line in section.splitlines() if line.startswith("| `")]
+    documented = set(re.findall(r"`(\w+)`", " ".join(rows)))
+    fields = rs.SERVED | rs.EXTENSIONS | set(rs.IGNORED) | set(rs.REFUSED)
+    types = rtools.SERVED_TOOL_TYPES | rtools.REFUSED_TOOL_TYPES | rtools.HOSTED_TOOL_TYPES
+    assert not (fields | types) - documented, "docs/protocol.md's create-body tables lack these"
+
+
 def test_cancel_steer_and_processed() -> None:
     cancel = rs.decode('{"type": "response.cancel", "response_id": "resp_1"}')
     assert isinstance(cancel, rs.Cancel) and cancel.response_id == "resp_1"
@@ -430,7 +552,21 @@ REFUSALS: list[tuple[str | bytes, str, str | None]] = [
     (_create(tools={"name": "f"}), "invalid_type", "tools"),
     (_create(tools=[{"name": "f"}] * 129), "invalid_value", "tools"),
     (_create(tools=["f"]), "invalid_type", "tools[0]"),
-    (_create(tools=[{"type": "web_search"}]), "unsupported_tool_type", "tools[0].type"),
+    (_create(tools=[{"type": "custom", "name": "x"}]), "unsupported_value", "tools[0].type"),
+    (_create(tools=[{"type": "magic"}]), "invalid_value", "tools[0].type"),
+    (
+        _create(tools=[{"type": "namespace", "name": "n", "description": "", "tools": []}]),
+        "invalid_type",
+        "tools[0].tools",
+    ),
+    (
+        _create(tools=[{"type": "namespace", "name": "n", "tools": [{"type": "custom"}]}]),
+        "unsupported_value",
+        "tools[0].tools[0].type",
+    ),
+    (_create(conversation="conv_1"), "unsupported_value", "conversation"),
+    (_create(prompt={"id": "pmpt_1"}), "unsupported_value", "prompt"),
+    (_create(input=[{"type": "image_generation_call"}]), "unsupported_value", "input[0].type"),
     (_create(tools=[{"type": "function"}]), "missing_required_parameter", "tools[0].name"),
     (_create(tools=[{"name": "get weather"}]), "invalid_value", "tools[0].name"),
     (_create(tools=[{"name": 5}]), "invalid_type", "tools[0].name"),
@@ -445,7 +581,8 @@ REFUSALS: list[tuple[str | bytes, str, str | None]] = [
     (_create(tools=[{"name": "f", "description": 1}]), "invalid_type", "tools[0].description"),
     (_create(tool_choice="sometimes"), "invalid_value", "tool_choice"),
     (_create(tool_choice=5), "invalid_type", "tool_choice"),
-    (_create(tool_choice={"type": "file_search"}), "unsupported_tool_type", "tool_choice.type"),
+    (_create(tool_choice={"type": "file_search"}), "unsupported_value", "tool_choice.type"),
+    (_create(tool_choice={"type": "web_search"}), "unsupported_value", "tool_choice.type"),
     (_create(tool_choice={"name": "f"}), "missing_required_parameter", "tool_choice.type"),
     (_create(tool_choice={"type": "function"}), "missing_required_parameter", "tool_choice.name"),
     (

@@ -264,3 +264,18 @@ _bodies = st.binary(max_size=64) | st.dictionaries(
 def test_no_body_gives_a_500(http_client: httpx.Client, body: bytes) -> None:
     reply = http_client.post("/v1/responses", content=body)
     assert reply.status_code < 500, reply.text
+
+
+async def test_hosted_tools_over_http_are_left_out_or_a_400_naming_the_tool() -> None:
+    body = {"model": "m", "input": "hi", "tools": [{"type": "web_search"}], "stream": False}
+    async with running_gateway(SimEngine(step_ms=1, response_tokens=4)) as gw:
+        async with httpx.AsyncClient(base_url=gw.http_url) as http:
+            answer = await http.post("/v1/responses", json=body)
+        assert answer.status_code == 200 and answer.json()["tools"] == []
+    engine = SimEngine(step_ms=1, response_tokens=4)
+    async with running_gateway(engine, hosted_tools="refuse") as gw:
+        async with httpx.AsyncClient(base_url=gw.http_url) as http:
+            refused = await http.post("/v1/responses", json=body)
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "tools[0]"
+        assert refused.json()["error"]["code"] == "unsupported_value"

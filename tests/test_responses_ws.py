@@ -22,6 +22,7 @@ from sessions.responses import codec as rp
 from sessions.responses import dialect
 from tests.support.harness import RunningGateway, gateway_on_a_thread, running_gateway
 from tests.support.responses_harness import TERMINAL, ResponsesClient
+from tests.support.scripted_engine import ToolLoopEngine
 
 WEATHER = {
     "type": "function",
@@ -527,3 +528,60 @@ def check_invariants(events: list[dict[str, Any]]) -> None:
             assert "".join(texts) == "".join(current["done"])
             del open_by_lane[lane]
     assert not open_by_lane, "a response that never ended"
+
+
+# -- Codex's tools: namespaces and hosted tools (sessions/responses/tools.py) ---------------
+
+AGENTS = {
+    "type": "namespace",
+    "name": "agents",
+    "description": "Sub-agents.",
+    "tools": [{"type": "function", "name": "spawn", "description": "Start one.", "strict": False}],
+}
+
+
+async def test_a_namespace_function_is_called_by_its_own_name_and_namespace() -> None:
+    engine = ToolLoopEngine()
+    async with client(engine) as (_gw, c):
+        turn = await c.respond(input="go", tools=[AGENTS, {"type": "web_search"}])
+        calls = [i for i in turn.response["output"] if i["type"] == "function_call"]
+        assert [(i["namespace"], i["name"]) for i in calls] == [("agents", "spawn")]
+        added = [e for e in turn.events if e["type"] == "response.output_item.added"]
+        assert added[0]["item"]["namespace"] == "agents"
+        assert [t["type"] for t in turn.response["tools"]] == ["namespace"]
+        assert [t.name for t in engine.requests[-1].tools] == ["agents__spawn"]
+        # The output goes back with its namespace, as Codex sends it.
+        output = {
+            "type": "function_call_output",
+            "call_id": calls[0]["call_id"],
+            "namespace": "agents",
+            "output": "spawned",
+        }
+        answer = await c.respond(previous_response_id=turn.id, input=[output], tools=[AGENTS])
+        assert answer.status == "completed" and "spawned" in answer.output_text
+        # The history as a client sends it again (store: false): the call with its namespace.
+        again = await c.respond(input=[{**calls[0]}, output], tools=[AGENTS], store=False)
+        assert again.status == "completed"
+        assert engine.requests[-1].messages[-2].tool_calls[0].name == "agents__spawn"
+
+
+async def test_hosted_tools_are_left_out_or_refused_as_the_flag_says() -> None:
+    tools = [{"type": "function", "name": "f"}, {"type": "web_search"}]
+    async with client() as (_gw, c):
+        turn = await c.respond(input="hi", tools=tools)
+        assert turn.status == "completed"
+        assert [t["name"] for t in turn.response["tools"]] == ["f"]
+        await c.create(input="hi", tools=tools, tool_choice={"type": "web_search"})
+        error = await c.error()
+        assert (error["error"]["code"], error["error"]["param"]) == (
+            "unsupported_value",
+            "tool_choice.type",
+        )
+    async with client(hosted_tools="refuse") as (_gw, c):
+        await c.create(input="hi", tools=tools)
+        error = await c.error()
+        assert (error["error"]["code"], error["error"]["param"]) == (
+            "unsupported_value",
+            "tools[1]",
+        )
+        assert (await c.respond(input="hi", tools=tools[:1])).status == "completed"

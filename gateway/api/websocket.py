@@ -124,6 +124,12 @@ class WebSocketEndpoint:
                 503, "The engine is not ready (loading, or no replica is up); retry shortly."
             )
         if is_responses_upgrade(request):
+            if not self._config.responses_websocket:
+                return refusal(
+                    426,
+                    "The Responses WebSocket mode is off on this gateway "
+                    "(--no-responses-websocket): POST /v1/responses instead.",
+                )
             return self._resumes.refuse_upgrade(request)
         return None
 
@@ -150,6 +156,8 @@ class WebSocketEndpoint:
         forget_handshake(ws)
         wire = SocketWire(ws, self._store)
         self._wires.add(wire)
+        api = "realtime" if upgrade is None else "responses"
+        self._metrics.websocket_connections.labels(api=api).inc()
         session: Session | None
         if upgrade is None:
             session = self._table.open(*REALTIME.make(self._dialects))

@@ -23,6 +23,7 @@ from sessions.codec import (
     MAX_ID_CHARS,
     MAX_TOOLS,
     PENALTY_RANGE,
+    PROMPT_CACHE_KEY,
     TOOL_NAME,
     UNSET,
     Reader,
@@ -178,7 +179,7 @@ def read_body(obj: Mapping[str, Any]) -> ChatBody:
     if r.has("metadata"):
         fields["metadata"] = read_metadata(r)
     if obj.get("prompt_cache_key") is not None:
-        fields["affinity_key"] = "chat " + r.string("prompt_cache_key", max_chars=256)
+        fields["affinity_key"] = PROMPT_CACHE_KEY + r.string("prompt_cache_key", max_chars=256)
     for key in IGNORED:
         if obj.get(key) is not None and key in ("user", "safety_identifier"):
             r.string(key, max_chars=256)

@@ -21,6 +21,7 @@ from sessions.codec import (
     JSON,
     MAX_ID_CHARS,
     PENALTY_RANGE,
+    PROMPT_CACHE_KEY,
     UNSET,
     FunctionCallOutputSpec,
     FunctionCallSpec,
@@ -29,10 +30,9 @@ from sessions.codec import (
     Unset,
     read_frame,
     read_metadata,
-    read_tool_choice,
-    read_tools,
 )
 from sessions.errors import ProtocolError
+from sessions.responses import tools as rtools
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,9 @@ class CreateBody:
     truncation: str = "disabled"
     stream: bool = False
     background: bool = False
+    affinity_key: str | None = None  # from prompt_cache_key
+    namespaced: tuple[rtools.Namespaced, ...] = ()  # which of ``tools`` are a namespace's
+    hosted_tools: tuple[tuple[str, str], ...] = ()  # (param, type): --hosted-tools decides
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +95,7 @@ class Ignored:
 
 ClientEvent: TypeAlias = Create | Cancel | Steer | Ignored
 
-_CREATE_FIELDS = frozenset(
+SERVED = frozenset(
     {
         "model",
         "input",
@@ -103,30 +106,46 @@ _CREATE_FIELDS = frozenset(
         "max_output_tokens",
         "temperature",
         "top_p",
-        "frequency_penalty",
-        "presence_penalty",
         "metadata",
         "store",
         "previous_response_id",
-        "stream_id",
-        "generate",
         "text",
         "truncation",
         "stream",
         "background",
-        # Accepted and ignored: they ask for nothing a text engine lacks.
-        "user",
-        "safety_identifier",
-        "prompt_cache_key",
-        "service_tier",
-        "include",
-        "reasoning",
-        "stream_options",
-        "top_logprobs",
-        "max_tool_calls",
-        "prompt_cache_retention",
+        "prompt_cache_key",  # the engine's affinity key: requests with one share a KV slot
     }
 )
+# The gateway's extensions: penalties (Chat Completions' names and range), lanes and
+# generate: false (the WebSocket's).
+EXTENSIONS = frozenset({"frequency_penalty", "presence_penalty", "stream_id", "generate"})
+# Accepted and ignored, each for a reason a client can rely on (docs/protocol.md).
+IGNORED: dict[str, str] = {
+    "user": "an end-user id for OpenAI's abuse monitoring; nothing here is keyed on it",
+    "safety_identifier": "the same, under its newer name",
+    "prompt_cache_retention": "the engine's cache keeps what it has room for",
+    "prompt_cache_options": "the engine's cache keeps what it has room for",
+    "service_tier": "one engine serves every request the same way",
+    "include": "extra output data (encrypted reasoning, sources) that no engine here makes",
+    "reasoning": "the engines here do not reason before answering: no reasoning items",
+    "stream_options": "obfuscation pads nothing here: events are sent as they are",
+    "top_logprobs": "no engine here reports log probabilities; 'logprobs' stay []",
+    "max_tool_calls": "it bounds built-in (hosted) tool calls, which are not made here",
+    "moderation": "no moderation model runs here",
+    "context_management": "OpenAI's server-side compaction: a long prompt is cut by 'truncation'",
+    "background_options": "a background response runs at once; there are no completion windows",
+    "image": "image options; the gateway is text only",
+    "access_programs": "OpenAI's domain-specific programs; nothing here is gated by them",
+    # Not in openai-python's types: sent by Codex on every request, and accepted by OpenAI.
+    "client_metadata": "a client's own tags (Codex sends its ids); they are not kept",
+}
+# Refused with unsupported_value unless they ask for nothing (null, empty).
+REFUSED: dict[str, str] = {
+    "conversation": "OpenAI's Conversations API is not served: continue a response by "
+    "'previous_response_id', or send the history in 'input'.",
+    "prompt": "Stored prompt templates are not served: send 'instructions' and 'input'.",
+}
+_CREATE_FIELDS = SERVED | EXTENSIONS | frozenset(IGNORED) | frozenset(REFUSED)
 _ROLES = ("user", "system", "developer", "assistant")
 _PARTS: dict[str, tuple[str, ...]] = {
     "user": ("input_text",),
@@ -140,15 +159,22 @@ def read_create(obj: Mapping[str, Any], allowed_extra: frozenset[str] = frozense
     """Validate a create body (the WebSocket event's fields or an HTTP request's JSON)."""
     r = Reader(obj, "", None)
     r.only(_CREATE_FIELDS | allowed_extra)
+    for key, message in REFUSED.items():
+        if obj.get(key) not in (None, "", {}, []):
+            raise r.fail(key, message, "unsupported_value")
     fields: dict[str, Any] = {}
     if r.has("model") and obj["model"] is not None:
         fields["model"] = r.string("model", max_chars=256)
     if r.has("instructions") and obj["instructions"] is not None:
         fields["instructions"] = r.string("instructions")
+    toolset = None
     if r.has("tools"):
-        fields["tools"] = read_tools(r, frozenset({"strict"}))
+        toolset = rtools.read_tools(r)
+        fields["tools"] = toolset.tools
+        fields["namespaced"] = toolset.namespaced
+        fields["hosted_tools"] = toolset.hosted
     if r.has("tool_choice"):
-        fields["tool_choice"] = read_tool_choice(r)
+        fields["tool_choice"] = rtools.read_tool_choice(r, toolset)
     for key in ("parallel_tool_calls", "store", "generate", "stream", "background"):
         if r.has(key) and obj[key] is not None:
             if not isinstance(obj[key], bool):
@@ -183,6 +209,8 @@ def read_create(obj: Mapping[str, Any], allowed_extra: frozenset[str] = frozense
         fields["truncation"] = obj["truncation"]
     if r.has("text") and obj["text"] is not None:
         _text_config(r.child("text"))
+    if obj.get("prompt_cache_key") is not None:
+        fields["affinity_key"] = PROMPT_CACHE_KEY + r.string("prompt_cache_key", max_chars=256)
     if r.has("input"):
         fields["input"] = read_input(r, "input")
     return CreateBody(**fields)
@@ -213,28 +241,46 @@ def read_input(r: Reader, key: str) -> tuple[AnyInput, ...]:
         raise r.fail(key, f"'{r.param(key)}' must be a string or a list of items.", "invalid_type")
     if len(value) > MAX_INPUT_ITEMS:
         raise r.fail(key, f"'{r.param(key)}' holds at most {MAX_INPUT_ITEMS} items.")
-    return tuple(_input_item(r.child_at(key, i, item)) for i, item in enumerate(value))
+    items = (_input_item(r.child_at(key, i, item)) for i, item in enumerate(value))
+    return tuple(item for item in items if not isinstance(item, _Reasoning))
 
 
-def _input_item(r: Reader) -> AnyInput:
+class _Reasoning:
+    """A ``reasoning`` item a client sends back (Codex sends every one it got, with
+    ``encrypted_content``): accepted and left out of the prompt, since no engine here
+    reasons, and an OpenAI model's encrypted reasoning means nothing to another model."""
+
+
+REASONING = _Reasoning()
+
+
+def _input_item(r: Reader) -> AnyInput | _Reasoning:
     kind = r.obj.get("type", "message" if "role" in r.obj else None)
     if kind == "message":
         return _message(r)
     # Fields beyond these are left alone: clients send back output items as they got
     # them (with ids, statuses and annotations), and new fields keep arriving.
     if kind == "function_call":
+        name = _name(r)
+        namespace = r.optional_string("namespace", max_chars=64)
+        if namespace:  # as the model was offered it (sessions/responses/tools.py)
+            name = f"{namespace}{rtools.NAMESPACE_SEPARATOR}{name}"
         return FunctionCallSpec(
             _optional_id(r),
             _required_string(r, "call_id"),
-            _name(r),
+            name,
             _required_string(r, "arguments"),
         )
     if kind == "function_call_output":
+        # Its call_id names the call; a namespace beside it adds nothing.
         return FunctionCallOutputSpec(_optional_id(r), _required_string(r, "call_id"), _output(r))
+    if kind == "reasoning":
+        return REASONING
     raise r.fail(
         "type",
-        f"Input items of type {kind!r} are not supported: use 'message', 'function_call' or "
-        "'function_call_output'.",
+        f"Input items of type {str(kind)[:64]!r} are not supported: use 'message', "
+        "'function_call', 'function_call_output' (or send back 'reasoning' items, which are "
+        "left out of the prompt).",
         "unsupported_value" if isinstance(kind, str) else "invalid_value",
     )
 

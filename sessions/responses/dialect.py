@@ -17,6 +17,7 @@ snapshot) is sessions/responses/turns.py's.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -50,6 +51,8 @@ _DELTA = (
     b'{"type":"response.output_text.delta","sequence_number":%d%b'
     b',"output_index":0,"content_index":0,"logprobs":[],"delta":%b}'
 )
+
+log = logging.getLogger(__name__)
 
 
 class ResponsesFraming:
@@ -119,6 +122,7 @@ class ResponsesDialect:
         self._lanes: dict[str | None, Lane] = {}
         self._ready: deque[Lane] = deque()  # lanes with a turn waiting for a slot
         self._waiting = 0
+        self._hosted_logged = False  # one log line per connection for ignored hosted tools
 
     @property
     def core(self) -> Session:
@@ -229,7 +233,10 @@ class ResponsesDialect:
         self.core.outbox.put(event)
 
     def _create(self, body: rp.CreateBody) -> None:
-        codec.check_model(body.model, self.core.limits.served_models)
+        limits = self.core.limits
+        codec.check_model(body.model, limits.served_models)
+        if body.hosted_tools:
+            self._hosted(body.hosted_tools, limits.hosted_tools)
         lane = self._lanes.get(body.stream_id)
         if lane is None:
             if body.stream_id is not None and sum(k is not None for k in self._lanes) >= MAX_LANES:
@@ -249,6 +256,21 @@ class ResponsesDialect:
         self._waiting += 1
         self._ready.append(lane)
         self._start_ready()
+
+    def _hosted(self, hosted: tuple[tuple[str, str], ...], policy: str) -> None:
+        """Tools that run on OpenAI's servers: refused, or left out of the prompt."""
+        if policy == "refuse":
+            param, kind = hosted[0]
+            raise errors.ProtocolError(
+                "unsupported_value",
+                f"Tool type '{kind}' runs on OpenAI's servers, which this gateway is not: "
+                "send function tools (or start the gateway with --hosted-tools ignore).",
+                param=param,
+            )
+        if not self._hosted_logged:
+            self._hosted_logged = True
+            kinds = ", ".join(sorted({kind for _, kind in hosted}))
+            log.info("session %s: hosted tools left out of the prompt: %s", self.core.id, kinds)
 
     def _in_flight(self) -> int:
         return self.core.live_responses + sum(
@@ -341,7 +363,7 @@ class ResponsesDialect:
             tools=tools,
             tool_choice=choice,
             in_conversation=False,
-            affinity_key=lane.affinity_key,
+            affinity_key=body.affinity_key or lane.affinity_key,
             metadata=body.metadata,
             tag=turn,
         )
@@ -367,7 +389,7 @@ class ResponsesDialect:
             request_id=response_id,
             messages=messages,
             sampling=replace(sampling, max_output_tokens=1),
-            affinity_key=lane.affinity_key,
+            affinity_key=turn.body.affinity_key or lane.affinity_key,
         )
         job = Job(
             request,
@@ -444,7 +466,8 @@ class ResponsesDialect:
         self._put(self._turn(r).lane, turns.text_delta(r, text))
 
     def call_opened(self, r: ResponseState, call: CallState) -> None:
-        self._put(self._turn(r).lane, turns.call_opened(call))
+        turn = self._turn(r)
+        self._put(turn.lane, turns.call_opened(turn, call))
 
     def call_delta(self, r: ResponseState, call: CallState, arguments: str) -> None:
         self._put(self._turn(r).lane, turns.call_delta(call, arguments))
@@ -467,7 +490,7 @@ class ResponsesDialect:
             outputs.append(
                 (
                     call.output_index,
-                    self._close_call(lane, call, status),
+                    self._close_call(turn, call, status),
                     Item.function_call(
                         call.item_id, call.call_id, call.name, call.arguments, status
                     ),
@@ -496,10 +519,10 @@ class ResponsesDialect:
             self._put(lane, event)
         return item
 
-    def _close_call(self, lane: Lane, call: CallState, status: str) -> codec.JSON:
-        events, item = turns.call_closed(call, status)
+    def _close_call(self, turn: Turn, call: CallState, status: str) -> codec.JSON:
+        events, item = turns.call_closed(turn, call, status)
         for event in events:
-            self._put(lane, event)
+            self._put(turn.lane, event)
         return item
 
     def _remember(

@@ -19,6 +19,7 @@ from sessions.conversation import Item
 from sessions.core import CallState, ResponseState, SessionConfig
 from sessions.response_store import StoredResponse
 from sessions.responses import codec as rp
+from sessions.responses import tools as rtools
 
 
 @dataclass(eq=False, slots=True)
@@ -87,7 +88,7 @@ def response_json(
         "temperature": c.temperature if body.temperature == codec.UNSET else body.temperature,
         "text": {"format": {"type": "text"}},
         "tool_choice": codec.tool_choice_json(turn.tool_choice),
-        "tools": [{**t, "strict": False} for t in codec.tools_json(turn.tools)],
+        "tools": rtools.tools_echo(turn.tools, body.namespaced),
         "top_p": c.top_p if body.top_p == codec.UNSET else body.top_p,
         "truncation": body.truncation,
         "usage": usage,
@@ -134,8 +135,18 @@ def text_closed(r: ResponseState, text: str, status: str) -> tuple[list[codec.JS
     ], item
 
 
-def call_opened(call: CallState) -> codec.JSON:
-    item = rp.function_call_json(call.item_id, call.call_id, call.name, "", "in_progress")
+def call_json(turn: Turn, call: CallState, arguments: str, status: str) -> codec.JSON:
+    """A call's ``function_call`` item: a namespace's function by its own name, with the
+    namespace beside it."""
+    item = rp.function_call_json(call.item_id, call.call_id, call.name, arguments, status)
+    for n in turn.body.namespaced:
+        if n.flat == call.name:
+            item["name"], item["namespace"] = n.name, n.namespace
+    return item
+
+
+def call_opened(turn: Turn, call: CallState) -> codec.JSON:
+    item = call_json(turn, call, "", "in_progress")
     return {"type": "response.output_item.added", "output_index": call.output_index, "item": item}
 
 
@@ -148,9 +159,9 @@ def call_delta(call: CallState, arguments: str) -> codec.JSON:
     }
 
 
-def call_closed(call: CallState, status: str) -> tuple[list[codec.JSON], codec.JSON]:
+def call_closed(turn: Turn, call: CallState, status: str) -> tuple[list[codec.JSON], codec.JSON]:
     """The call's closing events, and its output item."""
-    item = rp.function_call_json(call.item_id, call.call_id, call.name, call.arguments, status)
+    item = call_json(turn, call, call.arguments, status)
     return [
         {
             "type": "response.function_call_arguments.done",
@@ -250,7 +261,7 @@ def turn_json(turn: Turn) -> dict[str, Any]:
 def turn_from(data: Any, lane: Lane) -> Turn:
     tools = tuple(snapshot.tool_from(t) for t in data["tools"])
     return Turn(
-        replace(rp.CreateBody(**data["body"]), tools=tools),
+        replace(rp.CreateBody(**_tuples(data["body"])), tools=tools),
         lane,
         tuple(snapshot.item_from(i) for i in data["history"]),
         tuple(snapshot.item_from(i) for i in data["input"]),
@@ -287,8 +298,18 @@ def _set_fields(body: rp.CreateBody) -> dict[str, Any]:
     }
 
 
-def body_from(data: dict[str, Any]) -> rp.CreateBody:
+def _tuples(data: dict[str, Any]) -> dict[str, Any]:
+    """The body's tuple fields as a snapshot's JSON gave them back (lists)."""
     data = dict(data)
+    if "namespaced" in data:  # orjson wrote each as a dict
+        data["namespaced"] = tuple(rtools.Namespaced(**n) for n in data["namespaced"])
+    if "hosted_tools" in data:
+        data["hosted_tools"] = tuple(tuple(h) for h in data["hosted_tools"])
+    return data
+
+
+def body_from(data: dict[str, Any]) -> rp.CreateBody:
+    data = _tuples(data)
     data["input"] = tuple(_INPUT_KINDS[kind](**fields) for kind, fields in data["input"])
     if "tools" in data:
         data["tools"] = tuple(snapshot.tool_from(t) for t in data["tools"])

@@ -10,6 +10,7 @@ request it was given (what a model would have seen in its prompt).
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Sequence
 
 from gateway.engines.base import (
@@ -90,3 +91,64 @@ class ToolLoopEngine(StreamingEngine):
             await asyncio.sleep(self.step_s)
             yield TextDelta(word + " ")
         yield Finished("stop", Usage(len(request.messages), len(answer.split(" "))))
+
+
+TOOL_COMMAND = "echo codex-tool-ok"
+
+
+class CodexEngine(StreamingEngine):
+    """What Codex needs from a model, deterministically (labelled: not a model).
+
+    Asked to "run the command", it calls ``exec_command`` with :data:`TOOL_COMMAND`, then
+    answers with the output it was sent back; asked for "a long answer", it streams slowly
+    (for a cancel mid-answer to land in it); else it answers which answer of the thread
+    this is and what the user said last. Every request is recorded, and every stream that
+    ended before its last event (an abort) in ``aborted``."""
+
+    name = "codex-script"
+
+    def __init__(self, *, step_s: float = 0.002) -> None:
+        super().__init__()
+        self.step_s = step_s
+        self.requests: list[GenerationRequest] = []
+        self.aborted: list[str] = []
+        self.streaming = asyncio.Event()  # set at a long answer's first delta
+
+    @property
+    def capacity(self) -> int:
+        return 4
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
+        self.requests.append(request)
+        finished = False
+        try:
+            async for event in self._answer(request):
+                yield event
+            finished = True
+        finally:
+            if not finished:
+                self.aborted.append(request.request_id)
+
+    async def _answer(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
+        users = [m.text for m in request.messages if m.role == "user"]
+        last = users[-1] if users else ""
+        after_user = request.messages[-1].role
+        await asyncio.sleep(self.step_s)
+        if "run the command" in last and after_user == "user":
+            arguments = json.dumps({"cmd": TOOL_COMMAND})
+            yield ToolCallDelta(0, arguments, call_id="call_codex_1", name="exec_command")
+            yield Finished("tool_calls", Usage(len(request.messages), 8))
+            return
+        if after_user == "tool":
+            words = ["The", "command", "printed:", request.messages[-1].text.strip()]
+        elif "a long answer" in last:
+            words = ["word"] * 5000
+        else:
+            answers = sum(m.role == "assistant" and bool(m.text) for m in request.messages)
+            words = [f"Answer {answers + 1}:", "you", "said", repr(last)]
+        for index, word in enumerate(words):
+            await asyncio.sleep(self.step_s)
+            if index == 0 and len(words) > 100:
+                self.streaming.set()
+            yield TextDelta(word + " ")
+        yield Finished("stop", Usage(len(request.messages), len(words)))
