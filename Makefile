@@ -9,8 +9,9 @@ STAMP := $(VENV)/.installed
 # drive as a subprocess (tests/test_sdk.py).
 SDK_VENV := .venv-sdk
 SDK_STAMP := $(SDK_VENV)/.installed
-# openai-node (its ResponsesWS client) for tests/test_sdk_responses.py, from tests/node's
-# lockfile; skipped (and those tests with it) where there is no npm.
+# openai-node (tests/test_sdk_responses.py, tests/test_chat_clients.py) and the Codex CLI
+# (tests/test_codex.py), from tests/node's lockfile; skipped (and those tests with them)
+# where there is no npm.
 NODE_DIR := tests/node
 NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 ARGS ?=
