@@ -9,6 +9,7 @@ tests/test_realtime_codec.py.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 import typing
@@ -253,7 +254,7 @@ def test_namespace_tools_are_offered_flat_and_map_back() -> None:
         tool_choice={"type": "function", "name": "close"},
     )
     assert [t.name for t in body.tools] == ["spawn", "agents__spawn", "agents__close"]
-    assert [(n.flat, n.namespace, n.name) for n in body.namespaced] == [
+    assert [(n.flat, n.namespace, n.name) for n in body.mapped] == [
         ("agents__spawn", "agents", "spawn"),
         ("agents__close", "agents", "close"),
     ]
@@ -266,13 +267,51 @@ def test_namespace_tools_are_offered_flat_and_map_back() -> None:
         ).tool_choice
         == "spawn"
     )
-    echoed = rtools.tools_echo(body.tools, body.namespaced)
+    echoed = rtools.tools_echo(body.tools, body.mapped)
     assert [t["type"] for t in echoed] == ["function", "namespace"]
     assert [t["name"] for t in echoed[1]["tools"]] == ["spawn", "close"]
     # A call sent back with its namespace is the flat call the model made.
     call = {"type": "function_call", "call_id": "c1", "namespace": "agents", "name": "close"}
     body = create(input=[{**call, "arguments": "{}"}])
     assert items(body)[0]["name"] == "agents__close"
+
+
+def test_custom_tools_are_offered_as_one_string_parameter() -> None:
+    grammar = {"type": "grammar", "syntax": "lark", "definition": 'start: "yes" | "no"'}
+    body = create(
+        tools=[
+            {"type": "custom", "name": "apply_patch", "description": "Patch files."},
+            {"type": "custom", "name": "answer", "format": grammar},
+        ],
+        tool_choice={"type": "custom", "name": "answer"},
+    )
+    patch, answer = body.tools
+    assert patch.parameters["required"] == ["input"]
+    assert "start:" in answer.parameters["properties"]["input"]["description"]
+    assert body.tool_choice == "answer"
+    assert [t["type"] for t in rtools.tools_echo(body.tools, body.mapped)] == ["custom"] * 2
+    assert rtools.tools_echo(body.tools, body.mapped)[1]["format"] == grammar
+    # A call sent back is the function call the model made; its output is a tool output.
+    body = create(
+        input=[
+            {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "ok"},
+            {"type": "custom_tool_call_output", "call_id": "c1", "output": "done"},
+        ]
+    )
+    call, output = items(body)
+    assert (call["name"], json.loads(call["arguments"])) == ("apply_patch", {"input": "ok"})
+    assert output["output"] == "done"
+
+
+@pytest.mark.parametrize("text", ["plain", 'a "quoted"\nline\\', "é ✨ 🚀 한글", "", "x" * 300])
+def test_a_custom_inputs_prefix_decodes_as_its_arguments_arrive(text: str) -> None:
+    arguments = json.dumps({"input": text})
+    seen = [rtools.partial_input(arguments[:n]) for n in range(len(arguments) + 1)]
+    for shorter, longer in itertools.pairwise(seen):
+        assert longer.startswith(shorter)  # a prefix only grows: deltas are its growth
+    assert seen[-1] == text == rtools.custom_input(arguments)
+    assert rtools.partial_input('{"other": 1}') == ""
+    assert rtools.custom_input("not json") == "not json"
 
 
 def test_hosted_tools_are_noted_for_the_dialect_and_left_out() -> None:
@@ -552,7 +591,16 @@ REFUSALS: list[tuple[str | bytes, str, str | None]] = [
     (_create(tools={"name": "f"}), "invalid_type", "tools"),
     (_create(tools=[{"name": "f"}] * 129), "invalid_value", "tools"),
     (_create(tools=["f"]), "invalid_type", "tools[0]"),
-    (_create(tools=[{"type": "custom", "name": "x"}]), "unsupported_value", "tools[0].type"),
+    (
+        _create(tools=[{"type": "custom", "name": "x", "format": {"type": "json"}}]),
+        "invalid_value",
+        "tools[0].format.type",
+    ),
+    (
+        _create(tools=[{"type": "custom", "name": "x", "format": {"type": "grammar"}}]),
+        "missing_required_parameter",
+        "tools[0].format.syntax",
+    ),
     (_create(tools=[{"type": "magic"}]), "invalid_value", "tools[0].type"),
     (
         _create(tools=[{"type": "namespace", "name": "n", "description": "", "tools": []}]),
@@ -560,8 +608,8 @@ REFUSALS: list[tuple[str | bytes, str, str | None]] = [
         "tools[0].tools",
     ),
     (
-        _create(tools=[{"type": "namespace", "name": "n", "tools": [{"type": "custom"}]}]),
-        "unsupported_value",
+        _create(tools=[{"type": "namespace", "name": "n", "tools": [{"type": "mcp"}]}]),
+        "invalid_value",
         "tools[0].tools[0].type",
     ),
     (_create(conversation="conv_1"), "unsupported_value", "conversation"),

@@ -16,13 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from gateway.engines.base import ToolCallDelta
 from gateway.engines.sim import TOOL_ANSWER_PREFIX, SimEngine
 from sessions import errors
 from sessions.responses import codec as rp
 from sessions.responses import dialect
 from tests.support.harness import RunningGateway, gateway_on_a_thread, running_gateway
 from tests.support.responses_harness import TERMINAL, ResponsesClient
-from tests.support.scripted_engine import ToolLoopEngine
+from tests.support.scripted_engine import ScriptedEngine, ToolLoopEngine
 
 WEATHER = {
     "type": "function",
@@ -585,3 +586,28 @@ async def test_hosted_tools_are_left_out_or_refused_as_the_flag_says() -> None:
             "tools[1]",
         )
         assert (await c.respond(input="hi", tools=tools[:1])).status == "completed"
+
+
+async def test_a_custom_tool_call_streams_its_input_and_takes_its_output() -> None:
+    script = [
+        ToolCallDelta(0, '{"inp', call_id="call_patch", name="apply_patch"),
+        ToolCallDelta(0, 'ut": "line one\\nli'),
+        ToolCallDelta(0, 'ne two"}'),
+    ]
+    engine = ScriptedEngine(script)
+    patch = {"type": "custom", "name": "apply_patch", "description": "Patch files."}
+    async with client(engine) as (_gw, c):
+        turn = await c.respond(input="patch it", tools=[patch])
+        kinds = [e["type"] for e in turn.events if "custom_tool_call" in e["type"]]
+        assert kinds == ["response.custom_tool_call_input.delta"] * 2 + [
+            "response.custom_tool_call_input.done"
+        ]
+        deltas = [e["delta"] for e in turn.events if e["type"].endswith("input.delta")]
+        assert deltas == ["line one\nli", "ne two"]
+        (item,) = turn.response["output"]
+        assert item["type"] == "custom_tool_call" and item["input"] == "line one\nline two"
+        assert turn.response["tools"][0]["type"] == "custom"
+        output = {"type": "custom_tool_call_output", "call_id": "call_patch", "output": "ok"}
+        await c.respond(previous_response_id=turn.id, input=[output], tools=[patch])
+        assert engine.requests[-1].messages[-1].role == "tool"
+        assert engine.requests[-1].messages[-1].text == "ok"

@@ -10,6 +10,7 @@ plain dicts. Nothing here does I/O.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Mapping
@@ -67,7 +68,7 @@ class CreateBody:
     stream: bool = False
     background: bool = False
     affinity_key: str | None = None  # from prompt_cache_key
-    namespaced: tuple[rtools.Namespaced, ...] = ()  # which of ``tools`` are a namespace's
+    mapped: tuple[rtools.Mapped, ...] = ()  # which of ``tools`` are a namespace's or custom
     hosted_tools: tuple[tuple[str, str], ...] = ()  # (param, type): --hosted-tools decides
 
 
@@ -171,7 +172,7 @@ def read_create(obj: Mapping[str, Any], allowed_extra: frozenset[str] = frozense
     if r.has("tools"):
         toolset = rtools.read_tools(r)
         fields["tools"] = toolset.tools
-        fields["namespaced"] = toolset.namespaced
+        fields["mapped"] = toolset.mapped
         fields["hosted_tools"] = toolset.hosted
     if r.has("tool_choice"):
         fields["tool_choice"] = rtools.read_tool_choice(r, toolset)
@@ -271,7 +272,15 @@ def _input_item(r: Reader) -> AnyInput | _Reasoning:
             name,
             _required_string(r, "arguments"),
         )
-    if kind == "function_call_output":
+    if kind == "custom_tool_call":
+        # As the model was offered it: a function whose one parameter is the input.
+        name = _name(r)
+        namespace = r.optional_string("namespace", max_chars=64)
+        if namespace:
+            name = f"{namespace}{rtools.NAMESPACE_SEPARATOR}{name}"
+        arguments = json.dumps({"input": _required_string(r, "input")}, ensure_ascii=False)
+        return FunctionCallSpec(_optional_id(r), _required_string(r, "call_id"), name, arguments)
+    if kind in ("function_call_output", "custom_tool_call_output"):
         # Its call_id names the call; a namespace beside it adds nothing.
         return FunctionCallOutputSpec(_optional_id(r), _required_string(r, "call_id"), _output(r))
     if kind == "reasoning":
@@ -279,8 +288,8 @@ def _input_item(r: Reader) -> AnyInput | _Reasoning:
     raise r.fail(
         "type",
         f"Input items of type {str(kind)[:64]!r} are not supported: use 'message', "
-        "'function_call', 'function_call_output' (or send back 'reasoning' items, which are "
-        "left out of the prompt).",
+        "'function_call', 'custom_tool_call', their outputs (or send back 'reasoning' "
+        "items, which are left out of the prompt).",
         "unsupported_value" if isinstance(kind, str) else "invalid_value",
     )
 

@@ -470,7 +470,10 @@ class ResponsesDialect:
         self._put(turn.lane, turns.call_opened(turn, call))
 
     def call_delta(self, r: ResponseState, call: CallState, arguments: str) -> None:
-        self._put(self._turn(r).lane, turns.call_delta(call, arguments))
+        turn = self._turn(r)
+        event = turns.call_delta(turn, call, arguments)
+        if event is not None:
+            self._put(turn.lane, event)
 
     def response_ended(self, r: ResponseState, outcome: Outcome) -> None:
         turn = self._turn(r)

@@ -13,12 +13,17 @@ until it is placed:
   :attr:`ToolSet.hosted`, and the dialect applies ``--hosted-tools``: left out of the
   prompt (``ignore``, the default: Codex offers ``web_search`` on every request) or
   refused (``refuse``). A ``tool_choice`` that names one is refused either way.
-- ``custom`` (free-form input): refused with ``unsupported_value`` (the engines here
-  emit JSON arguments only).
+- ``custom`` (free-form input): offered to the model as a function of one string
+  parameter, ``input`` (a ``grammar`` format goes in its description: no engine here
+  constrains its output to a grammar, so it is not enforced); a call comes back as a
+  ``custom_tool_call`` item whose input streams in ``response.custom_tool_call_input``
+  events, decoded from the arguments as they arrive (:func:`partial_input`).
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 
 from gateway.engines.base import TOOL_CHOICE_MODES, Tool, ToolChoice
@@ -30,8 +35,11 @@ _FUNCTION_FIELDS = frozenset(
     | {"allowed_callers", "defer_loading", "output_schema", "async"}
 )
 _NAMESPACE_FIELDS = frozenset({"type", "name", "description", "tools"})
-SERVED_TOOL_TYPES = frozenset({"function", "namespace"})
-REFUSED_TOOL_TYPES = frozenset({"custom"})
+_CUSTOM_FIELDS = frozenset(
+    {"type", "name", "description", "format", "allowed_callers", "defer_loading", "async"}
+)
+SERVED_TOOL_TYPES = frozenset({"function", "namespace", "custom"})
+REFUSED_TOOL_TYPES: frozenset[str] = frozenset()
 HOSTED_TOOL_TYPES = frozenset(
     {
         "file_search",
@@ -55,19 +63,22 @@ NAMESPACE_SEPARATOR = "__"
 
 
 @dataclass(frozen=True, slots=True)
-class Namespaced:
-    """One function of a ``namespace`` tool: its flat name and where it came from."""
+class Mapped:
+    """A tool the engine is offered under another name or kind than the client declared:
+    a namespace's (``namespace`` set), a custom one (``custom_format`` set), or both."""
 
     flat: str
-    namespace: str
     name: str
+    namespace: str = ""
     namespace_description: str = ""
+    custom_format: JSON | None = None
+    description: str = ""  # a custom tool's own, for the echo
 
 
 @dataclass(frozen=True, slots=True)
 class ToolSet:
     tools: tuple[Tool, ...] = ()  # flat: what the engine is offered
-    namespaced: tuple[Namespaced, ...] = ()
+    mapped: tuple[Mapped, ...] = ()
     hosted: tuple[tuple[str, str], ...] = ()  # (param, type) of each hosted tool
 
 
@@ -80,37 +91,30 @@ def read_tools(r: Reader) -> ToolSet:
     if len(value) > MAX_TOOLS:
         raise r.fail("tools", f"'tools' holds at most {MAX_TOOLS} tools.")
     tools: list[Tool] = []
-    namespaced: list[Namespaced] = []
+    mapped: list[Mapped] = []
     hosted: list[tuple[str, str]] = []
     for index, raw in enumerate(value):
         t = r.child_at("tools", index, raw)
         kind = t.obj.get("type", "function")
         if kind == "function":
             tools.append(_function(t, tools))
+        elif kind == "custom":
+            mapped.append(_custom(t, tools))
         elif kind == "namespace":
-            for inner in _namespace(t, tools):
-                namespaced.append(inner)
+            mapped.extend(_namespace(t, tools))
         elif kind in HOSTED_TOOL_TYPES:
             hosted.append((f"tools[{index}]", kind))
-        elif kind in REFUSED_TOOL_TYPES:
-            raise t.fail(
-                "type",
-                "Custom (free-form) tools are not served: the engines here call functions "
-                "with JSON arguments. Send a 'function' tool.",
-                "unsupported_value",
-            )
         else:
             raise t.fail(
                 "type",
-                f"Unknown tool type {str(kind)[:64]!r}: use 'function' or 'namespace'.",
+                f"Unknown tool type {str(kind)[:64]!r}: use 'function', 'custom' or 'namespace'.",
                 "invalid_value",
             )
-    return ToolSet(tuple(tools), tuple(namespaced), tuple(hosted))
+    return ToolSet(tuple(tools), tuple(mapped), tuple(hosted))
 
 
-def _function(t: Reader, tools: list[Tool], flat: str | None = None) -> Tool:
-    """A function tool, offered under ``flat`` (a namespace's) or its own name."""
-    t.only(_FUNCTION_FIELDS)
+def _tool_name(t: Reader, tools: list[Tool], flat: str | None) -> tuple[str, str]:
+    """The tool's own name and the name the engine is offered (unique among ``tools``)."""
     t.required("name")
     name = t.string("name")
     if not TOOL_NAME.fullmatch(name):
@@ -120,10 +124,50 @@ def _function(t: Reader, tools: list[Tool], flat: str | None = None) -> Tool:
         raise t.fail("name", f"'{flat}' (namespace and name) must be at most 64 characters.")
     if any(tool.name == flat for tool in tools):
         raise t.fail("name", f"Two tools are named '{flat}': tool names must be unique.")
+    return name, flat
+
+
+def _function(t: Reader, tools: list[Tool], flat: str | None = None) -> Tool:
+    """A function tool, offered under ``flat`` (a namespace's) or its own name."""
+    t.only(_FUNCTION_FIELDS)
+    _, flat = _tool_name(t, tools, flat)
     return function_tool(t, flat)
 
 
-def _namespace(t: Reader, tools: list[Tool]) -> list[Namespaced]:
+def _custom(t: Reader, tools: list[Tool], namespace: str = "", space: str = "") -> Mapped:
+    """A custom tool, offered as a function whose one parameter is its free-form input."""
+    t.only(_CUSTOM_FIELDS)
+    flat = f"{namespace}{NAMESPACE_SEPARATOR}{t.obj.get('name')}" if namespace else None
+    name, flat = _tool_name(t, tools, flat)
+    description = t.optional_string("description") or ""
+    fmt: JSON = {"type": "text"}
+    about = "Free-form text input."
+    if t.obj.get("format") is not None:
+        f = t.child("format")
+        kind = f.required("type")
+        if kind == "grammar":
+            f.only(frozenset({"type", "syntax", "definition"}))
+            syntax = f.required("syntax")
+            if syntax not in ("lark", "regex"):
+                raise f.fail("syntax", "'format.syntax' must be 'lark' or 'regex'.")
+            f.required("definition")
+            definition = f.string("definition")
+            fmt = {"type": "grammar", "syntax": syntax, "definition": definition}
+            about = f"Input that matches this {syntax} grammar:\n{definition}"
+        elif kind == "text":
+            f.only(frozenset({"type"}))
+        else:
+            raise f.fail("type", "'format.type' must be 'text' or 'grammar'.")
+    parameters = {
+        "type": "object",
+        "properties": {"input": {"type": "string", "description": about}},
+        "required": ["input"],
+    }
+    tools.append(Tool(flat, description, parameters))
+    return Mapped(flat, name, namespace, space, fmt, description)
+
+
+def _namespace(t: Reader, tools: list[Tool]) -> list[Mapped]:
     t.only(_NAMESPACE_FIELDS)
     t.required("name")
     namespace = t.string("name", max_chars=64)
@@ -134,20 +178,20 @@ def _namespace(t: Reader, tools: list[Tool]) -> list[Namespaced]:
     inner = t.obj["tools"]
     if not isinstance(inner, list) or not inner:
         raise t.fail("tools", f"'{t.param('tools')}' must be a non-empty list.", "invalid_type")
-    made: list[Namespaced] = []
+    made: list[Mapped] = []
     for index, raw in enumerate(inner):
         f = t.child_at("tools", index, raw)
-        if f.obj.get("type") != "function":
-            raise f.fail(
-                "type",
-                "A namespace's tools must be functions here (custom tools are not served).",
-                "unsupported_value",
-            )
+        kind = f.obj.get("type")
+        if kind == "custom":
+            made.append(_custom(f, tools, namespace, description))
+            continue
+        if kind != "function":
+            raise f.fail("type", "A namespace's tools must be 'function' or 'custom'.")
         f.required("name")
         name = f.string("name", max_chars=64)
         flat = f"{namespace}{NAMESPACE_SEPARATOR}{name}"
         tools.append(_function(f, tools, flat))
-        made.append(Namespaced(flat, namespace, name, description))
+        made.append(Mapped(flat, name, namespace, description))
     return made
 
 
@@ -168,7 +212,7 @@ def read_tool_choice(r: Reader, toolset: ToolSet | None) -> ToolChoice:
         return value
     c = r.child("tool_choice")
     kind = c.required("type")
-    if kind != "function":
+    if kind not in ("function", "custom"):
         raise c.fail(
             "type",
             f"A tool_choice of type {str(kind)[:64]!r} names a tool this gateway does not "
@@ -182,30 +226,99 @@ def read_tool_choice(r: Reader, toolset: ToolSet | None) -> ToolChoice:
         # The engines take the chosen name in the same field as the three modes.
         raise c.fail("name", f"A function named '{name}' cannot be chosen by name.")
     if toolset is not None and all(t.name != name for t in toolset.tools):
-        inner = [n.flat for n in toolset.namespaced if n.name == name]
+        inner = [m.flat for m in toolset.mapped if m.name == name]
         if len(inner) == 1:
             return inner[0]
     return name
 
 
-def tools_echo(tools: tuple[Tool, ...], namespaced: tuple[Namespaced, ...]) -> list[JSON]:
-    """The ``tools`` of a ``Response``: functions as sent, a namespace's gathered again."""
-    by_flat = {n.flat: n for n in namespaced}
+def tools_echo(tools: tuple[Tool, ...], mapped: tuple[Mapped, ...]) -> list[JSON]:
+    """The ``tools`` of a ``Response``, as the client declared them: functions, custom
+    tools, and a namespace's gathered again."""
+    by_flat = {m.flat: m for m in mapped}
     echoed: list[JSON] = []
     spaces: dict[str, JSON] = {}
     for tool, shown in zip(tools, tools_json(tools), strict=True):
-        n = by_flat.get(tool.name)
-        if n is None:
+        m = by_flat.get(tool.name)
+        if m is None:
             echoed.append({**shown, "strict": False})
             continue
-        space = spaces.get(n.namespace)
+        if m.custom_format is not None:
+            declared: JSON = {
+                "type": "custom",
+                "name": m.name,
+                "description": m.description,
+                "format": m.custom_format,
+            }
+        else:
+            declared = {**shown, "name": m.name, "strict": False}
+        if not m.namespace:
+            echoed.append(declared)
+            continue
+        space = spaces.get(m.namespace)
         if space is None:
-            space = spaces[n.namespace] = {
+            space = spaces[m.namespace] = {
                 "type": "namespace",
-                "name": n.namespace,
-                "description": n.namespace_description,
+                "name": m.namespace,
+                "description": m.namespace_description,
                 "tools": [],
             }
             echoed.append(space)
-        space["tools"].append({**shown, "name": n.name, "strict": False})
+        space["tools"].append(declared)
     return echoed
+
+
+def custom_input(arguments: str) -> str:
+    """A custom tool call's input: the ``input`` of its (whole) arguments, or the arguments
+    themselves when the model wrote something else."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    found = value.get("input") if isinstance(value, dict) else None
+    return found if isinstance(found, str) else arguments
+
+
+_INPUT_KEY = re.compile(r'\s*\{\s*"input"\s*:\s*"')
+_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+
+
+def partial_input(arguments: str) -> str:
+    """What the arguments so far say of the ``input`` string: its decoded prefix, up to
+    an escape still incomplete (so that a custom call's input can stream as it comes)."""
+    start = _INPUT_KEY.match(arguments)
+    if start is None:
+        return ""
+    out: list[str] = []
+    i, end = start.end(), len(arguments)
+    while i < end:
+        ch = arguments[i]
+        if ch == '"':
+            break
+        if ch != "\\":
+            out.append(ch)
+            i += 1
+            continue
+        if i + 1 >= end:
+            break
+        kind = arguments[i + 1]
+        if kind == "u":
+            try:
+                code = int(arguments[i + 2 : i + 6], 16) if i + 6 <= end else -1
+                if 0xD800 <= code < 0xDC00:  # a surrogate pair: wait for its second half
+                    low = int(arguments[i + 8 : i + 12], 16) if i + 12 <= end else -1
+                    if low < 0:
+                        break
+                    out.append(chr(0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00)))
+                    i += 12
+                    continue
+            except ValueError:  # not JSON: custom_input() gives the raw arguments at the end
+                break
+            if code < 0:
+                break
+            out.append(chr(code))
+            i += 6
+            continue
+        out.append(_ESCAPES.get(kind, kind))
+        i += 2
+    return "".join(out)

@@ -88,7 +88,7 @@ def response_json(
         "temperature": c.temperature if body.temperature == codec.UNSET else body.temperature,
         "text": {"format": {"type": "text"}},
         "tool_choice": codec.tool_choice_json(turn.tool_choice),
-        "tools": rtools.tools_echo(turn.tools, body.namespaced),
+        "tools": rtools.tools_echo(turn.tools, body.mapped),
         "top_p": c.top_p if body.top_p == codec.UNSET else body.top_p,
         "truncation": body.truncation,
         "usage": usage,
@@ -135,13 +135,32 @@ def text_closed(r: ResponseState, text: str, status: str) -> tuple[list[codec.JS
     ], item
 
 
+def _mapped(turn: Turn, call: CallState) -> rtools.Mapped | None:
+    for m in turn.body.mapped:
+        if m.flat == call.name:
+            return m
+    return None
+
+
 def call_json(turn: Turn, call: CallState, arguments: str, status: str) -> codec.JSON:
-    """A call's ``function_call`` item: a namespace's function by its own name, with the
+    """A call's output item: a ``function_call``, or a custom tool's ``custom_tool_call``
+    (its input decoded from the arguments); a namespace's by its own name, with the
     namespace beside it."""
-    item = rp.function_call_json(call.item_id, call.call_id, call.name, arguments, status)
-    for n in turn.body.namespaced:
-        if n.flat == call.name:
-            item["name"], item["namespace"] = n.name, n.namespace
+    m = _mapped(turn, call)
+    if m is not None and m.custom_format is not None:
+        item: codec.JSON = {
+            "id": call.item_id,
+            "type": "custom_tool_call",
+            "call_id": call.call_id,
+            "name": m.name,
+            "input": rtools.custom_input(arguments) if arguments else "",
+        }
+    else:
+        item = rp.function_call_json(call.item_id, call.call_id, call.name, arguments, status)
+    if m is not None:
+        item["name"] = m.name
+        if m.namespace:
+            item["namespace"] = m.namespace
     return item
 
 
@@ -150,25 +169,49 @@ def call_opened(turn: Turn, call: CallState) -> codec.JSON:
     return {"type": "response.output_item.added", "output_index": call.output_index, "item": item}
 
 
-def call_delta(call: CallState, arguments: str) -> codec.JSON:
+def call_delta(turn: Turn, call: CallState, arguments: str) -> codec.JSON | None:
+    """A piece of a call's arguments; of a custom tool's, what it adds to the decoded
+    input (None: nothing yet, e.g. the ``{"input": "`` that opens it)."""
+    m = _mapped(turn, call)
+    if m is None or m.custom_format is None:
+        return {
+            "type": "response.function_call_arguments.delta",
+            "item_id": call.item_id,
+            "output_index": call.output_index,
+            "delta": arguments,
+        }
+    so_far = call.arguments
+    before = len(rtools.partial_input(so_far[: len(so_far) - len(arguments)]))
+    added = rtools.partial_input(so_far)[before:]
+    if not added:
+        return None
     return {
-        "type": "response.function_call_arguments.delta",
+        "type": "response.custom_tool_call_input.delta",
         "item_id": call.item_id,
         "output_index": call.output_index,
-        "delta": arguments,
+        "delta": added,
     }
 
 
 def call_closed(turn: Turn, call: CallState, status: str) -> tuple[list[codec.JSON], codec.JSON]:
     """The call's closing events, and its output item."""
     item = call_json(turn, call, call.arguments, status)
-    return [
-        {
+    if item["type"] == "custom_tool_call":
+        done: codec.JSON = {
+            "type": "response.custom_tool_call_input.done",
+            "item_id": call.item_id,
+            "output_index": call.output_index,
+            "input": item["input"],
+        }
+    else:
+        done = {
             "type": "response.function_call_arguments.done",
             "item_id": call.item_id,
             "output_index": call.output_index,
             "arguments": call.arguments,
-        },
+        }
+    return [
+        done,
         {"type": "response.output_item.done", "output_index": call.output_index, "item": item},
     ], item
 
@@ -301,8 +344,8 @@ def _set_fields(body: rp.CreateBody) -> dict[str, Any]:
 def _tuples(data: dict[str, Any]) -> dict[str, Any]:
     """The body's tuple fields as a snapshot's JSON gave them back (lists)."""
     data = dict(data)
-    if "namespaced" in data:  # orjson wrote each as a dict
-        data["namespaced"] = tuple(rtools.Namespaced(**n) for n in data["namespaced"])
+    if "mapped" in data:  # orjson wrote each as a dict
+        data["mapped"] = tuple(rtools.Mapped(**m) for m in data["mapped"])
     if "hosted_tools" in data:
         data["hosted_tools"] = tuple(tuple(h) for h in data["hosted_tools"])
     return data
