@@ -81,6 +81,7 @@ class Job:
     request: GenerationRequest
     session_key: str
     sink: JobSink
+    tenant: str = ""  # the scheduler shares the engine across tenants first
     state: Literal["new", "queued", "running", "done"] = "new"
     parts: list[str] = field(default_factory=list)
     output_tokens: int = 0

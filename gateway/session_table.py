@@ -98,6 +98,7 @@ class SessionTable:
         replay_bytes: int | None = None,
         *,
         kept: bool = True,
+        tenant: str = "",
     ) -> Session:
         """A new session and the task that runs it, until it ends (which may be long after
         its first connection closed: a dropped one waits detached for a resume).
@@ -111,6 +112,7 @@ class SessionTable:
             metrics=self.metrics,
             session_id=session_id or self.new_session_id(),
             resume_token=resume_token,
+            tenant=tenant,
         )
         self.register(session, kept=kept)
         return session

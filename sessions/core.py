@@ -288,8 +288,12 @@ class Session:
         session_id: str | None = None,
         resume_token: str | None = None,
         greet: bool = True,
+        tenant: str = "",
     ) -> None:
         self.id = session_id or codec.new_id("sess")
+        # Whose session this is (the key's tenant; "" with no keys): what it stores and
+        # resumes is that tenant's alone.
+        self.tenant = tenant
         self.conversation_id = codec.new_id("conv")
         self.scheduler = scheduler
         self.outbox = outbox
@@ -536,7 +540,7 @@ class Session:
             tools=spec.tools if spec.tool_choice != "none" else (),
             tool_choice=spec.tool_choice,
         )
-        job = Job(request, session_key=self.id, sink=self)
+        job = Job(request, session_key=self.id, sink=self, tenant=self.tenant)
         response = ResponseState(response_id, self.free_item_id(), job, spec, response_id)
         if not self.scheduler.submit(job):
             return None

@@ -31,6 +31,7 @@ class StoredResponse:
     history: tuple[Item, ...]  # every item of the conversation it ends, its output last
     input_items: tuple[Item, ...]  # what its own request sent
     pending_calls: tuple[tuple[str, str], ...] = ()  # (call_id, name) awaiting output
+    tenant: str = ""  # who stored it: no other tenant can read, continue or delete it
     size: int = field(default=0)
 
     def __post_init__(self) -> None:
@@ -73,14 +74,20 @@ class ResponseStore:
             _, (_, oldest) = self._entries.popitem(last=False)
             self.bytes -= oldest.size
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    def get(self, response_id: str, tenant: str) -> StoredResponse | None:
+        """``response_id`` if ``tenant`` stored it: another tenant gets what an unknown id
+        gets (None), so that an id seen in a log or a URL opens nothing."""
         entry = self._entries.get(response_id)
         if entry is None:
             return None
         if entry[0] <= self._clock():
             self.delete(response_id)
             return None
-        return entry[1]
+        return entry[1] if entry[1].tenant == tenant else None
+
+    def __contains__(self, response_id: str) -> bool:
+        """Whether this process holds ``response_id`` (whoever's): for caching only."""
+        return response_id in self._entries
 
     def delete(self, response_id: str, *, notify: bool = False) -> bool:
         if notify and self.on_delete is not None:

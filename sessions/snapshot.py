@@ -153,6 +153,7 @@ def dump(session: Session, dialect_name: str) -> bytes:
         "v": VERSION,
         "dialect": dialect_name,
         "id": session.id,
+        "tenant": session.tenant,
         "conversation_id": session.conversation_id,
         "token": token_digest(session.resume_token),
         "config": _config_json(session.config),
@@ -186,6 +187,7 @@ def restore(
         session_id=data["id"],
         resume_token=token,
         greet=False,
+        tenant=data.get("tenant", ""),
     )
     session.conversation_id = data["conversation_id"]
     for item in data["items"]:
@@ -201,7 +203,7 @@ def restore(
             tools=spec.tools if spec.tool_choice != "none" else (),
             tool_choice=spec.tool_choice,
         )
-        job = Job(request, session.id, session)
+        job = Job(request, session.id, session, tenant=session.tenant)
         r = ResponseState(saved["id"], saved["item_id"], job, spec, saved["delta_key"])
         r.text_index = saved["text_index"]
         r.previous_item_id = saved["previous_item_id"]

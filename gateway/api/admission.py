@@ -100,6 +100,18 @@ class Admission:
             )
         return refused
 
+    def tenant(self, headers: Headers, entry: Entry) -> str:
+        """The tenant of headers that :meth:`refuse` admitted: the first credential's that
+        speaks for one (``auth.ANONYMOUS`` on a gateway with no keys)."""
+        offered = (
+            [bearer(headers)] if entry is not Entry.WEBSOCKET else _offered_on_websocket(headers)
+        )
+        for credential in offered:
+            tenant = self.credentials.tenant_of(credential) if credential else None
+            if tenant is not None:
+                return tenant
+        return auth.ANONYMOUS
+
 
 def bearer(headers: Headers) -> str:
     """The token of ``Authorization: Bearer TOKEN`` ("" if there is none)."""

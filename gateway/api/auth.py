@@ -53,6 +53,15 @@ _KDF_SALT = b"llm-gateway client secrets v1"
 _KDF_ROUNDS = 100_000  # slows offline guessing of a weak key from a leaked secret
 
 
+ANONYMOUS = ""  # the one tenant of a gateway with no keys
+
+
+def tenant_name(key: str) -> str:
+    """A key's tenant when its line names none: ``key-`` and the start of its SHA-256,
+    which says which key without being one (safe in a metric label or a log line)."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
 class KeyConfigError(ValueError):
     """An API key that cannot be used (its source is named in the message)."""
 
@@ -126,9 +135,11 @@ class Credentials:
         self._keys = [(key, _digest(key)) for key in keys]
         self._signing_by_key = {key: _signing_key(key) for key in keys}
         self._open_signing_key = secrets.token_bytes(32)  # used while no key is configured
-        self._signing_by_id: dict[bytes, list[bytes]] = {}
-        for signing in self._signing_by_key.values() or [self._open_signing_key]:
-            self._signing_by_id.setdefault(_key_id(signing), []).append(signing)
+        self._signing_by_id: dict[bytes, list[tuple[bytes, str]]] = {}
+        self._tenant_by_key = {key: tenant_name(key) for key in keys}
+        signing_keys = [(s, self._tenant_by_key[k]) for k, s in self._signing_by_key.items()]
+        for signing, tenant in signing_keys or [(self._open_signing_key, ANONYMOUS)]:
+            self._signing_by_id.setdefault(_key_id(signing), []).append((signing, tenant))
 
     def is_api_key(self, offered: str) -> str | None:
         """The configured key ``offered`` is (compared in constant time), or None."""
@@ -141,9 +152,18 @@ class Credentials:
 
     def admits(self, offered: str) -> bool:
         """May ``offered`` (a key or a client secret) open a session?"""
+        return self.tenant_of(offered) is not None
+
+    def tenant_of(self, offered: str) -> str | None:
+        """The tenant ``offered`` speaks for (a key's; a client secret's is the key's that
+        minted it), or None if it is no credential; with no key configured, anything is
+        the one anonymous tenant."""
         if offered.startswith(SECRET_PREFIX):
-            return self.check_secret(offered)
-        return self.is_api_key(offered) is not None
+            return self.secret_tenant(offered)
+        if not self.required:
+            return ANONYMOUS
+        key = self.is_api_key(offered)
+        return None if key is None else self._tenant_by_key[key]
 
     def mint(self, api_key: str | None, ttl: int | None = None) -> ClientSecret:
         """A secret signed with ``api_key``'s signing key, valid for ``ttl`` seconds
@@ -158,21 +178,27 @@ class Credentials:
 
     def check_secret(self, value: str) -> bool:
         """Is ``value`` a secret minted with a configured key, and not yet expired?"""
+        return self.secret_tenant(value) is not None
+
+    def secret_tenant(self, value: str) -> str | None:
+        """The tenant of the key that minted ``value``, if it is a secret that key signed
+        and has not expired; else None."""
         token = value.removeprefix(SECRET_PREFIX)
         if len(token) != _TOKEN_CHARS or not token.isascii():
-            return False
+            return None
         try:
             raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
         except (binascii.Error, ValueError):
-            return False
+            return None
         payload, mac = raw[: _PAYLOAD.size], raw[_PAYLOAD.size :]
         version, key_id, expires_at, _nonce = _PAYLOAD.unpack(payload)
         if version != _VERSION or expires_at <= self._clock():
-            return False
-        return any(
-            hmac.compare_digest(hmac.digest(key, payload, "sha256")[:_MAC_BYTES], mac)
-            for key in self._signing_by_id.get(key_id, ())
-        )
+            return None
+        found = None
+        for key, tenant in self._signing_by_id.get(key_id, ()):  # no early exit
+            if hmac.compare_digest(hmac.digest(key, payload, "sha256")[:_MAC_BYTES], mac):
+                found = tenant
+        return found
 
 
 class SecretRequestError(ValueError):

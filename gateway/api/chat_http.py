@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.api.admission import Admission
+from gateway.api.admission import Admission, Entry
 from gateway.api.status import ServerState
 from gateway.config import GatewayConfig
 from gateway.session_table import SessionTable
@@ -115,6 +115,7 @@ class ChatCompletionsHttp:
     async def create(self, request: HttpRequest, reply: HttpReply) -> None:
         if self._refused(request, reply):
             return
+        tenant = self._admission.tenant(request.headers, Entry.HTTP)
         try:
             command = cc.decode(request.body)
         except errors.ProtocolError as err:
@@ -123,7 +124,7 @@ class ChatCompletionsHttp:
         framing = ChatFraming()
         waiter = _Waiter()
         session = self._table.open(
-            ChatDialect(framing, waiter), framing, replay_bytes=0, kept=False
+            ChatDialect(framing, waiter), framing, replay_bytes=0, kept=False, tenant=tenant
         )
         try:
             await session.deliver(command)

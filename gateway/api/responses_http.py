@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from gateway.api.admission import Admission
+from gateway.api.admission import Admission, Entry
 from gateway.api.status import ServerState
 from gateway.cluster.persistence import Persistence
 from gateway.config import GatewayConfig
@@ -120,10 +120,11 @@ class ResponsesHttp:
     # -- POST /v1/responses ------------------------------------------------------------
 
     async def create(self, request: HttpRequest, reply: HttpReply) -> None:
-        if self._refused(request, reply):
+        tenant = self._tenant(request, reply)
+        if tenant is None:
             return
         try:
-            body = await self._read_body(request)
+            body = await self._read_body(request, tenant)
         except errors.ProtocolError as err:
             _error(reply, err)
             return
@@ -133,6 +134,7 @@ class ResponsesHttp:
             dialect,
             ResponsesFraming(),
             replay_bytes=BACKGROUND_REPLAY_BYTES if body.background else 0,
+            tenant=tenant,
         )
         await session.deliver(rp.Create(body))
         try:
@@ -153,7 +155,7 @@ class ResponsesHttp:
             finally:
                 session.close("disconnected")  # a no-op once it has ended
 
-    async def _read_body(self, request: HttpRequest) -> rp.CreateBody:
+    async def _read_body(self, request: HttpRequest, tenant: str) -> rp.CreateBody:
         try:
             obj = orjson.loads(request.body)
         except orjson.JSONDecodeError as exc:
@@ -176,7 +178,7 @@ class ResponsesHttp:
                 param="store",
             )
         wanted = body.previous_response_id
-        if wanted is not None and await self._find(wanted) is None:
+        if wanted is not None and await self._find(wanted, tenant) is None:
             raise errors.ProtocolError(
                 "previous_response_not_found",
                 f"Previous response with id '{wanted}' not found.",
@@ -214,10 +216,11 @@ class ResponsesHttp:
     # -- the routes of one response ------------------------------------------------------
 
     async def retrieve(self, request: HttpRequest, reply: HttpReply) -> None:
-        if self._refused(request, reply, engine=False):
+        tenant = self._tenant(request, reply, engine=False)
+        if tenant is None:
             return
         response_id = request.params["id"]
-        live = self.background.get(response_id)
+        live = self._live(response_id, tenant)
         if request.arg("stream") == "true":
             if live is None:
                 _not_found(reply, response_id, stream=True)
@@ -236,7 +239,7 @@ class ResponsesHttp:
             await self._stream(reply, live.session, int(after), keep=True)
             return
         body = live.waiter.body if live is not None else None
-        stored = await self._find(response_id)
+        stored = await self._find(response_id, tenant)
         if body is None and stored is not None:
             body = stored.body
         if body is None:
@@ -245,12 +248,13 @@ class ResponsesHttp:
         reply.send_json(200, body)
 
     async def cancel(self, request: HttpRequest, reply: HttpReply) -> None:
-        if self._refused(request, reply, engine=False):
+        tenant = self._tenant(request, reply, engine=False)
+        if tenant is None:
             return
         response_id = request.params["id"]
-        live = self.background.get(response_id)
+        live = self._live(response_id, tenant)
         if live is None:
-            stored = await self._find(response_id)
+            stored = await self._find(response_id, tenant)
             if stored is None:
                 _not_found(reply, response_id)
             elif not stored.body.get("background"):
@@ -268,23 +272,27 @@ class ResponsesHttp:
         reply.send_json(200, await asyncio.shield(live.waiter.end))
 
     async def delete(self, request: HttpRequest, reply: HttpReply) -> None:
-        if self._refused(request, reply, engine=False):
+        tenant = self._tenant(request, reply, engine=False)
+        if tenant is None:
             return
         response_id = request.params["id"]
-        live = self.background.pop(response_id, None)
-        if live is not None:
-            self._forget(live)
-        store = self.response_store
-        if not store.delete(response_id, notify=True) and live is None:
-            _not_found(reply, response_id)
+        live = self._live(response_id, tenant)
+        stored = await self._find(response_id, tenant)
+        if live is None and stored is None:
+            _not_found(reply, response_id)  # another tenant's: as if it did not exist
             return
+        if live is not None:
+            del self.background[response_id]
+            self._forget(live)
+        self.response_store.delete(response_id, notify=True)
         reply.send_json(200, {"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def input_items(self, request: HttpRequest, reply: HttpReply) -> None:
-        if self._refused(request, reply, engine=False):
+        tenant = self._tenant(request, reply, engine=False)
+        if tenant is None:
             return
         response_id = request.params["id"]
-        stored = await self._find(response_id)
+        stored = await self._find(response_id, tenant)
         if stored is None:
             _not_found(reply, response_id)
             return
@@ -323,29 +331,36 @@ class ResponsesHttp:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _refused(self, request: HttpRequest, reply: HttpReply, *, engine: bool = True) -> bool:
-        """Answer (and True) if the request may not be served: credentials, Origin, load."""
+    def _tenant(self, request: HttpRequest, reply: HttpReply, *, engine: bool = True) -> str | None:
+        """The request's tenant, or None once it is answered as not to be served
+        (credentials, Origin, load)."""
         refused = self._admission.refuse_http(
             request.headers, ready=self._state.ready, need_engine=engine
         )
         if refused is None:
-            return False
+            return self._admission.tenant(request.headers, Entry.HTTP)
         err = errors.ProtocolError(refused.code, refused.message, error_type=refused.error_type)
         reply.send_json(refused.status, _error_body(err), refused.headers)
-        return True
+        return None
 
-    async def _find(self, response_id: str) -> StoredResponse | None:
-        """A finished response: the store's (this process's, else the session store's),
-        or a retained background one's."""
-        stored = self.response_store.get(response_id)
+    def _live(self, response_id: str, tenant: str) -> _Live | None:
+        """``tenant``'s background response ``response_id``, while it is kept."""
+        live = self.background.get(response_id)
+        return live if live is not None and live.session.tenant == tenant else None
+
+    async def _find(self, response_id: str, tenant: str) -> StoredResponse | None:
+        """``tenant``'s finished response: the store's (this process's, else the session
+        store's), or a retained background one's. Another tenant's is not found."""
+        stored = self.response_store.get(response_id, tenant)
         if stored is not None:
             return stored
         persistence = self._persistence
         if persistence is not None:
-            stored = await persistence.fetch_response(response_id)
+            await persistence.fetch_response(response_id)
+            stored = self.response_store.get(response_id, tenant)
             if stored is not None:
                 return stored
-        live = self.background.get(response_id)
+        live = self._live(response_id, tenant)
         return live.dialect.latest if live is not None else None
 
     def _keep(

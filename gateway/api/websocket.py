@@ -28,6 +28,7 @@ import urllib.parse
 from collections.abc import Sequence
 
 from websockets.asyncio.server import ServerConnection
+from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
@@ -130,14 +131,16 @@ class WebSocketEndpoint:
                     "The Responses WebSocket mode is off on this gateway "
                     "(--no-responses-websocket): POST /v1/responses instead.",
                 )
-            return self._resumes.refuse_upgrade(request)
+            tenant = self._admission.tenant(request.headers, Entry.WEBSOCKET)
+            return self._resumes.refuse_upgrade(request, tenant)
         return None
 
     def process_response(
         self, connection: ServerConnection, request: Request, response: Response
     ) -> Response | None:
         if response.status_code == 101 and is_responses_upgrade(request):
-            self._resumes.name_upgrade(connection, request, response)
+            tenant = self._admission.tenant(request.headers, Entry.WEBSOCKET)
+            self._resumes.name_upgrade(connection, request, response, tenant)
         return None
 
     # -- connections ----------------------------------------------------------------------
@@ -153,14 +156,16 @@ class WebSocketEndpoint:
             return
         cap_kernel_send_buffer(ws)
         upgrade = self._resumes.take_upgrade(ws)
-        forget_handshake(ws)
+        headers = ws.request.headers if ws.request is not None else Headers()
+        tenant = self._admission.tenant(headers, Entry.WEBSOCKET)
+        forget_handshake(ws)  # the request's headers go: read them above
         wire = SocketWire(ws, self._store)
         self._wires.add(wire)
         api = "realtime" if upgrade is None else "responses"
         self._metrics.websocket_connections.labels(api=api).inc()
         session: Session | None
         if upgrade is None:
-            session = self._table.open(*REALTIME.make(self._dialects))
+            session = self._table.open(*REALTIME.make(self._dialects), tenant=tenant)
             session.outbox.attach(wire)
             self._check_url_model(ws, session)
         else:

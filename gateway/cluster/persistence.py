@@ -55,6 +55,7 @@ def response_json(stored: StoredResponse) -> bytes:
             "history": [snapshot.item_json(i) for i in stored.history],
             "input": [snapshot.item_json(i) for i in stored.input_items],
             "pending_calls": [list(c) for c in stored.pending_calls],
+            "tenant": stored.tenant,
         }
     )
 
@@ -67,6 +68,7 @@ def response_from(data: bytes) -> StoredResponse:
         tuple(snapshot.item_from(i) for i in obj["history"]),
         tuple(snapshot.item_from(i) for i in obj["input"]),
         tuple((c[0], c[1]) for c in obj["pending_calls"]),
+        obj.get("tenant", ""),
     )
 
 
@@ -141,30 +143,30 @@ class Persistence:
 
     # -- sessions of other processes ---------------------------------------------------
 
-    async def fetch_response(self, response_id: str) -> StoredResponse | None:
-        """A stored response another process made (into this process's cache)."""
+    async def fetch_response(self, response_id: str) -> None:
+        """Bring a stored response another process made into this process's cache, where
+        ``ResponseStore.get`` finds it (for its own tenant only)."""
         local = self._responses
-        found = local.get(response_id)
-        if found is not None:
-            return found
+        if response_id in local:
+            return
         try:
             data = await self.store.get_response(response_id)
         except (RedisError, OSError):
-            return None
-        if data is None:
-            return None
-        stored = response_from(data)
-        local.put(stored, notify=False)
-        return stored
+            return
+        if data is not None:
+            local.put(response_from(data), notify=False)
 
-    async def load(self, session_id: str, token: str) -> Loaded:
-        """The stored session, if ``token`` is its; else :class:`ResumeRefused`."""
+    async def load(self, session_id: str, token: str, tenant: str) -> Loaded:
+        """The stored session, if ``token`` is its and ``tenant`` owns it; else
+        :class:`ResumeRefused` (the same ``session_not_found`` for either)."""
         try:
             loaded = await self.store.load(session_id)
         except (RedisError, OSError) as exc:
             log.warning("resume of %s: the session store does not answer (%r)", session_id, exc)
             raise ResumeRefused("session_not_found") from None
         if loaded is None or not snapshot.token_matches(token, loaded.state["token"]):
+            raise ResumeRefused("session_not_found")
+        if loaded.state.get("tenant", "") != tenant:
             raise ResumeRefused("session_not_found")
         return loaded
 

@@ -56,6 +56,7 @@ class Upgrade:
     resume: Session | None = None
     last_sequence_number: int = -1
     in_store: bool = False  # a session another process holds or held
+    tenant: str = ""  # the upgrading credential's: a resume finds that tenant's sessions only
 
 
 class Resumes:
@@ -91,14 +92,14 @@ class Resumes:
 
     # -- the Responses WebSocket's upgrade ----------------------------------------------
 
-    def refuse_upgrade(self, request: Request) -> Response | None:
+    def refuse_upgrade(self, request: Request, tenant: str) -> Response | None:
         """A resume asked for that cannot be served: refused before the upgrade (the
         client then knows it lost the session, and starts a new one)."""
         asked = _resume_fields(request)
         if asked is None:
             return None
         try:
-            self._resumable(asked)
+            self._resumable(asked, tenant)
         except ResumeRefused as refused:
             self._count(refused.code)
             status = 404 if refused.code == "session_not_found" else 409
@@ -106,21 +107,26 @@ class Resumes:
         return None
 
     def name_upgrade(
-        self, connection: ServerConnection, request: Request, response: Response
+        self,
+        connection: ServerConnection,
+        request: Request,
+        response: Response,
+        tenant: str = "",
     ) -> None:
         """Name the session of a Responses upgrade in its answer: a fresh one, or the one
-        the request resumes."""
+        the request resumes (``tenant``'s alone)."""
         asked = _resume_fields(request)
         try:
-            found = self._resumable(asked) if asked is not None else None
+            found = self._resumable(asked, tenant) if asked is not None else None
         except ResumeRefused:
             found = None
         if isinstance(found, Session) and asked is not None:
-            upgrade = Upgrade(found.id, asked[1], found, int(asked[2]))
+            upgrade = Upgrade(found.id, asked[1], found, int(asked[2]), tenant=tenant)
         elif found == "in_store" and asked is not None:
-            upgrade = Upgrade(asked[0], asked[1], None, int(asked[2]), in_store=True)
+            upgrade = Upgrade(asked[0], asked[1], None, int(asked[2]), True, tenant)
         else:
-            upgrade = Upgrade(self._table.new_session_id(), secrets.token_urlsafe(24))
+            fresh_id = self._table.new_session_id()
+            upgrade = Upgrade(fresh_id, secrets.token_urlsafe(24), tenant=tenant)
         self._upgrades[connection] = upgrade
         response.headers[SESSION_HEADER] = upgrade.session_id
         response.headers[RESUME_TOKEN_HEADER] = upgrade.token
@@ -135,11 +141,19 @@ class Resumes:
         """The session a Responses upgrade named, on ``wire``: fresh or resumed."""
         if upgrade.in_store:
             return await self._from_store(
-                upgrade.session_id, upgrade.token, upgrade.last_sequence_number, ws, wire, None
+                upgrade.session_id,
+                upgrade.token,
+                upgrade.last_sequence_number,
+                ws,
+                wire,
+                None,
+                upgrade.tenant,
             )
         if upgrade.resume is None:
             dialect, framing = RESPONSES.make(self._dialects)
-            session = self._table.open(dialect, framing, upgrade.session_id, upgrade.token)
+            session = self._table.open(
+                dialect, framing, upgrade.session_id, upgrade.token, tenant=upgrade.tenant
+            )
             session.outbox.attach(wire)
             return session
         target = upgrade.resume
@@ -151,7 +165,7 @@ class Resumes:
         log.info("session %s resumed after event %d", target.id, upgrade.last_sequence_number)
         return target
 
-    def _resumable(self, asked: tuple[str, str, str]) -> Session | str:
+    def _resumable(self, asked: tuple[str, str, str], tenant: str) -> Session | str:
         """The session a Responses resume names (checked against its token and last
         number), or ``"in_store"``: decided once the socket is open (it takes Redis)."""
         session_id, token, last = asked
@@ -162,7 +176,7 @@ class Resumes:
             raise ResumeRefused("resume_gap")
         if session is None and self._persistence is not None:
             return "in_store"
-        if session is None or session.dialect.name != RESPONSES.name:
+        if session is None or session.dialect.name != RESPONSES.name or session.tenant != tenant:
             raise ResumeRefused("session_not_found")
         code = session.can_resume(token, int(last))
         if code is not None:
@@ -203,7 +217,13 @@ class Resumes:
         known = self._table.get(event.session_id) is not None
         if self._persistence is not None and c.resume_window > 0 and not known:
             return await self._from_store(
-                event.session_id, event.resume_token, event.last_sequence_number, ws, wire, fresh
+                event.session_id,
+                event.resume_token,
+                event.last_sequence_number,
+                ws,
+                wire,
+                fresh,
+                fresh.tenant,
             )
         owner = relay.owner_of(event.session_id)
         if (
@@ -217,7 +237,7 @@ class Resumes:
             await self._relay_to_worker(c.worker_dir, owner, event, ws, wire, fresh)
         if event.session_id == fresh.id:  # the session this connection already has
             raise ResumeRefused("session_not_found")
-        target = self.take_over(event, wire)
+        target = self.take_over(event, wire, fresh.tenant)
         _discard(fresh, wire)
         return target
 
@@ -249,10 +269,15 @@ class Resumes:
         code = opened[1].get("error", {}).get("code") if opened is not None else None
         raise ResumeRefused(code if code in errors.RESUME_ERRORS else "session_not_found")
 
-    def take_over(self, event: rt.SessionResume, wire: SocketWire) -> Session:
-        """Attach ``wire`` to the session ``event`` names, if its token and replay buffer
+    def take_over(
+        self, event: rt.SessionResume, wire: SocketWire, tenant: str | None = None
+    ) -> Session:
+        """Attach ``wire`` to the session ``event`` names, if it is ``tenant``'s (None: a
+        worker's relay, which the first worker checked) and its token and replay buffer
         allow; else raise :class:`ResumeRefused`."""
         target = self._table.get(event.session_id)
+        if target is not None and tenant is not None and target.tenant != tenant:
+            target = None  # another tenant's: as if there were none
         code = (
             target.resume(event.resume_token, event.last_sequence_number, wire)
             if target is not None and self._config.resume_window > 0
@@ -275,13 +300,14 @@ class Resumes:
         ws: ServerConnection,
         wire: SocketWire,
         fresh: Session | None,
+        tenant: str,
     ) -> Session:
         """The session from the store on ``wire``: taken over (returned) or relayed to its
         owner (:class:`SessionRelayed`, once the relay has ended)."""
         persistence, store = self._persistence, self._store
         assert persistence is not None and store is not None
         try:
-            loaded = await persistence.load(session_id, token)
+            loaded = await persistence.load(session_id, token, tenant)
         except ResumeRefused as refused:
             self._count(refused.code)
             raise

@@ -152,7 +152,11 @@ class ResponsesDialect:
     def load(self, state: dict[str, Any]) -> None:
         for stream_id, latest in state["lanes"]:
             lane = self._lane(stream_id)
-            stored = self.store.get(latest) if self.store is not None and latest else None
+            stored = (
+                self.store.get(latest, self.core.tenant)
+                if self.store is not None and latest
+                else None
+            )
             if stored is not None:
                 lane.latest = stored
         for stream_id, bodies in state.get("waiting", []):
@@ -311,7 +315,7 @@ class ResponsesDialect:
         for other in self._lanes.values():  # a fork: another lane's latest, on a new lane
             if other.latest is not None and other.latest.id == wanted:
                 return other.latest
-        stored = self.store.get(wanted) if self.store is not None else None
+        stored = self.store.get(wanted, self.core.tenant) if self.store is not None else None
         if stored is None:
             raise errors.ProtocolError(
                 "previous_response_not_found",
@@ -537,9 +541,8 @@ class ResponsesDialect:
         outputs: tuple[Item, ...],
         calls: tuple[tuple[str, str], ...],
     ) -> None:
-        stored = StoredResponse(
-            response_id, body, (*turn.history, *turn.input, *outputs), turn.input, calls
-        )
+        history = (*turn.history, *turn.input, *outputs)
+        stored = StoredResponse(response_id, body, history, turn.input, calls, self.core.tenant)
         lane.latest = stored
         if turn.body.store and self.store is not None:
             self.store.put(stored)
