@@ -429,6 +429,14 @@ def tls_from_args(args: argparse.Namespace) -> tls.TlsFiles | None:
     return files
 
 
+def _checked_key_file(path: str | None) -> str | None:
+    """The key file, read once here so that a bad line stops the start with one line
+    (the gateway reads it again at start and on SIGHUP)."""
+    if path is not None:
+        auth.read_key_file(path)
+    return path
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         host=args.host,
@@ -439,7 +447,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_sessions=args.max_sessions,
         max_message_bytes=args.max_message_bytes,
         allowed_origins=tuple(args.allowed_origin),
-        api_keys=auth.read_api_keys(args.api_key, args.api_key_file),
+        api_keys=auth.read_api_keys(args.api_key),
+        api_key_file=_checked_key_file(args.api_key_file),
         client_secret_ttl=args.client_secret_ttl,
         client_secret_url=args.client_secret_url,
         handshake_timeout=args.handshake_timeout,
@@ -497,8 +506,9 @@ async def serve(gateway: Gateway) -> None:
     signals = (signal.SIGTERM, signal.SIGINT)
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
-    if gateway.config.tls is not None:  # else SIGHUP keeps its default: it ends the process
-        loop.add_signal_handler(signal.SIGHUP, gateway.reload_tls)
+    if gateway.config.tls is not None or gateway.config.api_key_file is not None:
+        # Else SIGHUP keeps its default: it ends the process.
+        loop.add_signal_handler(signal.SIGHUP, gateway.reload)
     try:
         await _serve(gateway, stop)
     finally:
@@ -616,6 +626,25 @@ def not_a_client_fault(record: logging.LogRecord) -> bool:
     return not isinstance(record.exc_info[1], client_faults)
 
 
+# What a log line must not hold, whatever logs it (websockets at DEBUG logs every request
+# header): a key or a client secret in Authorization, the key subprotocol, a client
+# secret anywhere, a resume token.
+_SECRETS = re.compile(
+    r"(?i)(authorization:\s*bearer\s+|openai-insecure-api-key\.|x-resume-token:\s*|"
+    r"resume_token=|\"resume_token\":\s*\")[^\s,\"&]+"
+    r"|\bek_[A-Za-z0-9_-]{16,}"
+)
+
+
+def redact_secrets(record: logging.LogRecord) -> bool:
+    """A log filter: the record's message with every credential replaced by [redacted]."""
+    message = record.getMessage()
+    redacted = _SECRETS.sub(lambda m: (m.group(1) or "ek_") + "[redacted]", message)
+    if redacted != message:
+        record.msg, record.args = redacted, None
+    return True
+
+
 def raise_open_file_limit() -> None:
     """Every connection is a file descriptor, and the usual soft limit (1024) is far below
     what one process serves: raise it to the hard limit."""
@@ -641,6 +670,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(redact_secrets)
     if args.log_level != "DEBUG":
         # One line per connection and per HTTP GET is noise, and so is a traceback
         # for every malformed request a scanner sends; a failure of our own is not.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.tenants import KeyEntry
 from gateway.transport.tls import TlsFiles
 
 
@@ -17,7 +18,10 @@ class GatewayConfig:
     max_sessions: int | None = None
     max_message_bytes: int = 1 << 20
     allowed_origins: tuple[str, ...] = ()
-    api_keys: tuple[str, ...] = ()  # none: the gateway is open to anyone who reaches it
+    # Keys, plain or as read from --api-key-file (gateway/api/auth.py); none: the gateway
+    # is open to anyone who reaches it.
+    api_keys: tuple[str | KeyEntry, ...] = ()
+    api_key_file: str | None = None  # read again on SIGHUP
     client_secret_ttl: int = 600  # seconds: default and longest lifetime of a client secret
     client_secret_url: str | None = None  # where the chat page gets a client secret
     handshake_timeout: float = 5.0  # seconds from TCP connect to a whole HTTP request

@@ -185,6 +185,23 @@ class Metrics:
         self.refused = self._counter(
             "gateway_responses_refused_total", "Requests refused, by reason.", ["reason"]
         )
+        # Per tenant, by its name (never a key: gateway/api/auth.py names tenants).
+        self.tenant_requests = self._counter(
+            "gateway_tenant_requests_total", "Answers started, by tenant.", ["tenant"]
+        )
+        self.tenant_output_tokens = self._counter(
+            "gateway_tenant_output_tokens_total", "Output tokens, by tenant.", ["tenant"]
+        )
+        self.tenant_sessions = self._gauge(
+            "gateway_tenant_sessions",
+            "Sessions open (or waiting to resume), by tenant.",
+            ["tenant"],
+        )
+        self.tenant_refused = self._counter(
+            "gateway_tenant_refused_total",
+            "Requests and sessions refused over a tenant's limit, by tenant and limit.",
+            ["tenant", "reason"],
+        )
         self.connections_refused = self._counter(
             "gateway_connections_refused_total",
             "WebSocket handshakes refused, by HTTP status.",

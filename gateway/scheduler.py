@@ -48,6 +48,7 @@ from gateway.engines.base import (
     Usage,
 )
 from gateway.metrics import Metrics
+from gateway.tenants import TenantBook
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ class Scheduler:
         metrics: Metrics | None = None,
         generation_timeout: float = 0.0,
         merge_deltas: bool = True,
+        tenants: TenantBook | None = None,
     ) -> None:
         self.engine = engine
         self.max_running = max_running
@@ -122,6 +124,8 @@ class Scheduler:
         self._last_served: dict[str, int] = {}
         self._served = 0
         self._closing = False
+        # Each tenant's limits and use: its answers in flight and in the engine (fairness).
+        self.tenants = tenants or TenantBook()
         self._tasks: list[asyncio.Task[None]] = []
         self._all_confirmed: asyncio.Event | None = None  # close() waits on it
 
@@ -147,6 +151,8 @@ class Scheduler:
             return False
         job.submitted_at = time.perf_counter()
         job.state = "queued"
+        self.tenants.request_started(job.tenant)
+        self.metrics.tenant_requests.labels(tenant=job.tenant).inc()
         self._queues.setdefault(job.session_key, deque()).append(job)
         self._queued += 1
         self._admit()
@@ -204,9 +210,10 @@ class Scheduler:
 
     def _admit(self) -> None:
         while self._queues and len(self._running) < self.max_running:
-            # The waiting session with the fewest responses running goes first, ties
-            # to the one served longest ago: a newcomer overtakes a session that was
-            # just served, which is what keeps one batch from starving everyone else.
+            # The waiting tenant with the fewest answers running per unit of its weight
+            # goes first; within it, the session with the fewest running, ties to the one
+            # served longest ago: a newcomer overtakes a session that was just served,
+            # which is what keeps one batch (or one busy tenant) from starving the rest.
             session_key = min(self._queues, key=self._priority)
             queue = self._queues.pop(session_key)
             job = queue.popleft()
@@ -217,8 +224,10 @@ class Scheduler:
             self._last_served[session_key] = self._served
             self._start(job)
 
-    def _priority(self, session_key: str) -> tuple[int, int]:
-        return self._running_by_session[session_key], self._last_served.get(session_key, 0)
+    def _priority(self, session_key: str) -> tuple[float, int, int]:
+        tenant = self._queues[session_key][0].tenant
+        share = self.tenants.running[tenant] / self.tenants.weight(tenant)
+        return share, self._running_by_session[session_key], self._last_served.get(session_key, 0)
 
     def _forget_if_idle(self, session_key: str) -> None:
         if not self._running_by_session[session_key] and session_key not in self._queues:
@@ -233,6 +242,7 @@ class Scheduler:
         self.metrics.queue_wait.observe(job.started_at - job.submitted_at)
         self._running[job.request_id] = job
         self._running_by_session[job.session_key] += 1
+        self.tenants.running[job.tenant] += 1
         try:
             self.engine.submit(job.request)
         except Exception as exc:  # an engine bug: this job fails, the gateway goes on
@@ -376,6 +386,9 @@ class Scheduler:
     def _end(self, job: Job, outcome: Outcome) -> None:
         del self._running[job.request_id]
         self._running_by_session[job.session_key] -= 1
+        self.tenants.running[job.tenant] -= 1
+        if self.tenants.running[job.tenant] <= 0:
+            del self.tenants.running[job.tenant]
         self._forget_if_idle(job.session_key)
         self._finish(job, outcome)
         if not self._closing:
@@ -392,6 +405,8 @@ class Scheduler:
         m = self.metrics
         m.finished.labels(status=outcome.status).inc()
         m.output_tokens.inc(outcome.usage.output_tokens)
+        m.tenant_output_tokens.labels(tenant=job.tenant).inc(outcome.usage.output_tokens)
+        self.tenants.request_ended(job.tenant, outcome.usage.output_tokens)
         m.deltas.inc(len(job.parts))
         m.e2e.observe(now - job.submitted_at)
         job.sink.on_finish(job, outcome)

@@ -47,6 +47,7 @@ from sessions.response_store import ResponseStore
 log = logging.getLogger(__name__)
 
 LISTEN_BACKLOG = 1024  # the kernel caps it at net.core.somaxconn
+REVOKED_CLOSE_CODE = 4003  # a session whose key a SIGHUP removed (docs/deployment.md)
 
 
 class Gateway:
@@ -74,10 +75,8 @@ class Gateway:
         )
         self.response_store = ResponseStore(config.response_store_bytes, config.response_store_ttl)
         dialects = DialectContext(self.response_store, config.max_parallel_per_session)
-        self.admission = Admission(
-            auth.Credentials(config.api_keys, max_secret_ttl=config.client_secret_ttl),
-            config.allowed_origins,
-        )
+        self.admission = Admission(self._credentials(), config.allowed_origins)
+        self.scheduler.tenants.limits = self.admission.credentials.limits
         self.pending = Pending(config.max_handshakes, on_drop=self._handshake_dropped)
         self.store: RedisStore | None = None
         self.persistence: Persistence | None = None
@@ -291,6 +290,43 @@ class Gateway:
     async def wait_ready(self) -> None:
         assert self._engine_task is not None
         await asyncio.shield(self._engine_task)
+
+    def _credentials(self) -> auth.Credentials:
+        """The keys of the flags and the variable, then --api-key-file's as it is now."""
+        keys = [*self.config.api_keys]
+        if self.config.api_key_file is not None:
+            keys += auth.read_key_file(self.config.api_key_file)
+        return auth.Credentials(keys, max_secret_ttl=self.config.client_secret_ttl)
+
+    def reload(self) -> None:
+        """SIGHUP: the TLS files and the key file, read again."""
+        self.reload_tls()
+        self.reload_keys()
+
+    def reload_keys(self) -> None:
+        """New keys work at once; a removed key's tenant (when no key is left for it) loses
+        its sessions (closed with 4003, their answers aborted in the engine) and its client
+        secrets; a malformed file keeps the old keys, and the log says which line."""
+        if self.config.api_key_file is None:
+            return
+        try:
+            fresh = self._credentials()
+        except auth.KeyConfigError as exc:
+            log.error("SIGHUP: kept the old keys: %s", exc)
+            return
+        old = self.admission.credentials
+        self.admission.credentials = fresh
+        self.scheduler.tenants.limits = fresh.limits
+        gone = {e.tenant for e in old.entries} - {e.tenant for e in fresh.entries}
+        for session in list(self.table.sessions):
+            if session.tenant in gone:
+                session.close("disconnected", REVOKED_CLOSE_CODE, "the API key was revoked")
+        log.info(
+            "SIGHUP: %d keys from %s (%d tenants removed)",
+            len(fresh.entries),
+            self.config.api_key_file,
+            len(gone),
+        )
 
     def reload_tls(self) -> None:
         """SIGHUP: new connections get the certificate and key now in the files; on an

@@ -124,8 +124,12 @@ class SessionTable:
         self.metrics.sessions_total.inc()
         if not kept:
             self._unkept.add(session)
-        elif self.keeper is not None:
-            self.keeper.adopt(session)
+        else:
+            # A session a client can come back to counts against its tenant's max_sessions.
+            self.scheduler.tenants.session_opened(session.tenant)
+            self.metrics.tenant_sessions.labels(tenant=session.tenant).inc()
+            if self.keeper is not None:
+                self.keeper.adopt(session)
         task = asyncio.get_running_loop().create_task(self._live(session), name=session.id)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -165,8 +169,11 @@ class SessionTable:
             log.exception("session %s ended with an error", session.id)
         finally:
             del self._by_id[session.id]
-            if self.keeper is not None and session not in self._unkept:
-                self.keeper.ended(session)
+            if session not in self._unkept:
+                self.scheduler.tenants.session_closed(session.tenant)
+                self.metrics.tenant_sessions.labels(tenant=session.tenant).dec()
+                if self.keeper is not None:
+                    self.keeper.ended(session)
             self._unkept.discard(session)
             session.outbox.release()
             stats, (frames, deltas, sent) = session.outbox.stats, self._ended_traffic

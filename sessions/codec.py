@@ -412,6 +412,7 @@ _STATUS_BY_CODE = {
     "response_not_found": 404,
     "model_not_found": 404,
     "overloaded": 429,
+    "rate_limit_exceeded": 429,
     "websocket_connection_limit_reached": 400,
     "internal_error": 500,
     "engine_error": 500,

@@ -531,6 +531,16 @@ class Session:
 
         The dialect's ``response_started`` runs before this returns, and before the
         job's first step can reach the session."""
+        over = self.scheduler.tenants.refuse_request(self.tenant)
+        if over is not None:
+            if self.metrics is not None:
+                self.metrics.tenant_refused.labels(tenant=self.tenant, reason="request").inc()
+            raise errors.ProtocolError(
+                "rate_limit_exceeded",
+                f"Rate limit reached: {over.message} Retry in {over.retry_after:.1f} s.",
+                error_type="requests",
+                retry_after=over.retry_after,
+            )
         response_id = response_id or codec.new_id("resp")
         request = GenerationRequest(
             request_id=response_id,

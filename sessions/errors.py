@@ -31,6 +31,7 @@ class ProtocolError(Exception):
         param: str | None = None,
         event_id: str | None = None,
         error_type: str = "invalid_request_error",
+        retry_after: float | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
@@ -38,6 +39,7 @@ class ProtocolError(Exception):
         self.param = param
         self.event_id = event_id
         self.error_type = error_type
+        self.retry_after = retry_after  # seconds, for HTTP's Retry-After (429, 503)
 
 
 RESUME_ERRORS: dict[str, str] = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from openai import AsyncOpenAI, AuthenticationError, BadRequestError
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect as sync_connect
 
+from gateway import tenants
 from gateway.api import auth
 from gateway.engines.sim import SimEngine
 from tests.support.harness import RawClient, RunningGateway, running_gateway
@@ -38,8 +40,57 @@ def test_keys_come_from_flags_a_file_and_the_environment(tmp_path: Path) -> None
     key_file = tmp_path / "keys"
     key_file.write_text("# rotated monthly\nfile-key-1\n\n  file-key-2  \nflag-key\n")
     keys = auth.read_api_keys(["flag-key"], str(key_file), {auth.ENV_VAR: "env-key-1, env-key-2"})
-    assert keys == ("flag-key", "file-key-1", "file-key-2", "env-key-1", "env-key-2")
+    assert [k.key for k in keys] == [
+        "flag-key",
+        "file-key-1",
+        "file-key-2",
+        "env-key-1",
+        "env-key-2",
+    ]
     assert auth.read_api_keys([], None, {}) == ()
+
+
+def test_a_key_file_line_names_its_tenant_and_limits_and_may_hold_only_a_hash(
+    tmp_path: Path,
+) -> None:
+    digest = hashlib.sha256(b"bobs-key").hexdigest()
+    key_file = tmp_path / "keys"
+    key_file.write_text(
+        "alices-key name=alice max_sessions=2 requests_per_minute=60 weight=3\n"
+        f"sha256:{digest} name=bob tokens_per_minute=1000 max_running=1\n"
+        "carols-key\n"
+    )
+    alice, bob, carol = auth.read_key_file(str(key_file))
+    assert (alice.tenant, alice.limits.max_sessions, alice.limits.weight) == ("alice", 2, 3)
+    assert alice.limits.requests_per_minute == 60 and alice.key == "alices-key"
+    assert (bob.tenant, bob.key, bob.limits.tokens_per_minute) == ("bob", None, 1000)
+    assert carol.tenant.startswith("key-") and "carols-key" not in carol.tenant
+    assert carol.limits == tenants.NO_LIMITS
+    credentials = auth.Credentials([alice, bob, carol])
+    assert credentials.tenant_of("bobs-key") == "bob"  # by its hash alone
+    assert credentials.tenant_of("alices-key") == "alice"
+    assert credentials.tenant_of(credentials.mint(bob).value) == "bob"
+    assert credentials.limits["bob"].max_running == 1
+
+
+@pytest.mark.parametrize(
+    ("line", "complaint"),
+    [
+        ("k max_sessions=two", "max_sessions= takes a whole number"),
+        ("k weight=0", "weight"),
+        ("k colour=blue", "unknown field 'colour'"),
+        ("k name", "is not word=VALUE"),
+        ("sha256:abc", "64 hex digits"),
+        ("k name=a/b", "name= takes"),
+    ],
+)
+def test_a_malformed_key_file_line_is_one_error_naming_the_line(
+    tmp_path: Path, line: str, complaint: str
+) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text(f"# keys\ngood-key\n{line}\n")
+    with pytest.raises(auth.KeyConfigError, match="line 3: .*" + complaint):
+        auth.read_key_file(str(key_file))
 
 
 @pytest.mark.parametrize(
@@ -69,19 +120,21 @@ def test_a_key_that_cannot_work_is_refused_with_its_source(
 def test_a_secret_opens_sessions_until_it_expires_and_cannot_be_forged() -> None:
     now = [1_000_000.0]
     credentials = auth.Credentials(["old-key", "new-key"], clock=lambda: now[0])
-    secret = credentials.mint("old-key", 60)
+    old, new = credentials.entries
+    secret = credentials.mint(old, 60)
     assert secret.value.startswith("ek_") and secret.expires_at == 1_000_060
     assert credentials.admits(secret.value) and credentials.admits("new-key")
     assert not credentials.admits("wrong-key") and not credentials.admits("ek_")
     forged = secret.value[:-4] + ("AAAA" if not secret.value.endswith("AAAA") else "BBBB")
     assert not credentials.admits(forged)
-    assert credentials.mint("new-key", 7200).expires_at == 1_000_600  # capped: max 600 s
+    assert credentials.mint(new, 7200).expires_at == 1_000_600  # capped: max 600 s
     now[0] += 60
     assert not credentials.admits(secret.value)  # expired
 
 
 def test_every_worker_with_the_same_keys_accepts_a_secret_and_a_removed_key_revokes() -> None:
-    minted = auth.Credentials(["k1", "k2"]).mint("k1")
+    signer = auth.Credentials(["k1", "k2"])
+    minted = signer.mint(signer.entries[0])
     assert auth.Credentials(["k2", "k1"]).admits(minted.value)  # another worker
     assert not auth.Credentials(["k2"]).admits(minted.value)  # k1 rotated out
     assert not auth.Credentials(["k1-other"]).admits(minted.value)

@@ -214,7 +214,7 @@ def test_the_security_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch) ->
     argv += ["--max-handshakes", "64", "--client-secret-ttl", "120"]
     argv += ["--client-secret-url", "/app/secret"]
     config = config_from_args(build_parser().parse_args(argv))
-    assert config.api_keys == ("a", "b", "from-env")
+    assert [k.key for k in config.api_keys] == ["a", "b", "from-env"]
     assert (config.handshake_timeout, config.max_handshakes) == (2.5, 64)
     assert (config.client_secret_ttl, config.client_secret_url) == (120, "/app/secret")
     defaults = config_from_args(build_parser().parse_args([]))

@@ -37,6 +37,7 @@ def layer(module: str) -> str:
         "": "host",  # the package itself
         "engines": "engines",
         "scheduler": "engines",
+        "tenants": "engines",
         "metrics": "engines",
         "transport": "transport",
         "config": "host",

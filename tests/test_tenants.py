@@ -4,12 +4,13 @@ exist gets."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from gateway.engines.sim import SimEngine
 from tests.support.gateway_processes import gateways
@@ -137,3 +138,145 @@ async def test_the_redis_store_keeps_each_tenants_responses_its_own(
             theirs = await http.get(f"http://{b.address}/v1/responses/{rid}")
             assert theirs.status_code == 404
             assert theirs.json()["error"]["code"] == "response_not_found"
+
+
+# -- the key file's limits -------------------------------------------------------------
+
+
+def key_file(tmp_path: Any, text: str) -> str:
+    path = tmp_path / "keys"
+    path.write_text(text)
+    return str(path)
+
+
+async def test_requests_per_minute_is_a_429_with_retry_after_and_a_socket_error(
+    tmp_path: Any,
+) -> None:
+    keys = key_file(tmp_path, f"{ALICE} name=alice requests_per_minute=2\n{BOB} name=bob\n")
+    engine = SimEngine(step_ms=1, response_tokens=4)
+    async with running_gateway(engine, api_key_file=keys) as gw:
+        chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        for _ in range(2):
+            assert (await post(gw, ALICE, "/v1/chat/completions", chat)).status_code == 200
+        over = await post(gw, ALICE, "/v1/chat/completions", chat)
+        assert over.status_code == 429 and int(over.headers["Retry-After"]) >= 1
+        assert over.json()["error"]["code"] == "rate_limit_exceeded"
+        over = await post(gw, ALICE, "/v1/responses", {"model": "m", "input": "x"})
+        assert over.status_code == 429 and over.json()["error"]["code"] == "rate_limit_exceeded"
+        # Bob has no limits; Alice's socket says so in its error event and goes on.
+        assert (await post(gw, BOB, "/v1/chat/completions", chat)).status_code == 200
+        async with RawClient.connect(gw.ws_url, additional_headers=auth(ALICE)) as alice:
+            await alice.send({"type": "response.create"})
+            error = await alice.recv_until("error")
+            assert error["error"]["code"] == "rate_limit_exceeded"
+            await alice.send({"type": "session.update", "session": {"instructions": "hi"}})
+            assert (await alice.recv_until("session.updated"))["type"] == "session.updated"
+        _, text = await gw.get("/metrics")
+        assert b'gateway_tenant_refused_total{reason="request",tenant="alice"' in text
+        assert ALICE.encode() not in text and BOB.encode() not in text
+
+
+async def test_max_sessions_refuses_the_handshake_with_429(tmp_path: Any) -> None:
+    keys = key_file(tmp_path, f"{ALICE} name=alice max_sessions=1\n")
+    async with (
+        running_gateway(SimEngine(step_ms=1), api_key_file=keys) as gw,
+        RawClient.connect(gw.ws_url, additional_headers=auth(ALICE)),
+    ):
+        with pytest.raises(InvalidStatus) as refused:
+            async with RawClient.connect(gw.ws_url, additional_headers=auth(ALICE)):
+                pass
+        assert refused.value.response.status_code == 429
+        assert refused.value.response.headers["Retry-After"] == "1"
+
+
+async def test_tokens_per_minute_and_rate_limits_updated(tmp_path: Any) -> None:
+    keys = key_file(tmp_path, f"{ALICE} name=alice tokens_per_minute=10 requests_per_minute=5\n")
+    engine = SimEngine(step_ms=1, response_tokens=6)
+    async with (
+        running_gateway(engine, api_key_file=keys) as gw,
+        RawClient.connect(gw.ws_url, additional_headers=auth(ALICE)) as alice,
+    ):
+        await alice.respond()
+        updated = next(e for e in alice.events if e["type"] == "rate_limits.updated")
+        named = {r["name"]: r for r in updated["rate_limits"]}
+        assert named["requests"]["limit"] == 5 and named["requests"]["remaining"] == 4
+        assert named["tokens"]["limit"] == 10
+        await alice.respond()  # 12 tokens now: past the minute's 10
+        await alice.send({"type": "response.create"})
+        error = await alice.recv_until("error")
+        assert error["error"]["code"] == "rate_limit_exceeded"
+        assert "tokens_per_minute" in error["error"]["message"]
+
+
+async def test_a_sighup_adds_and_removes_keys_without_a_restart(tmp_path: Any) -> None:
+    path = tmp_path / "keys"
+    path.write_text(f"{ALICE} name=alice\n")
+    async with running_gateway(
+        SimEngine(step_ms=5, response_tokens=400), api_key_file=str(path)
+    ) as gw:
+        async with RawClient.connect(gw.ws_url, additional_headers=auth(ALICE)) as alice:
+            await alice.send({"type": "response.create"})
+            await alice.recv_until("response.output_text.delta")
+            path.write_text(f"{BOB} name=bob\nnot a valid line=\n")
+            gw.gateway.reload_keys()  # malformed: the old keys stay
+            assert (await call(gw, ALICE, "GET", "/v1/models")).status_code == 200
+            path.write_text(f"{BOB} name=bob\n")
+            gw.gateway.reload_keys()
+            assert (await call(gw, BOB, "GET", "/v1/models")).status_code == 200
+            assert (await call(gw, ALICE, "GET", "/v1/models")).status_code == 401
+            with pytest.raises(ConnectionClosed) as closed:
+                while True:
+                    await alice.recv()
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 4003
+        await gw.wait_idle()
+        assert not gw.gateway.scheduler.running
+
+
+async def test_a_busy_tenant_does_not_starve_another(tmp_path: Any) -> None:
+    """Two engine slots, ten answers of Alice's waiting: Bob's one answer takes the next
+    free slot, not the eleventh."""
+    engine = SimEngine(step_ms=5, response_tokens=40)  # 0.2 s an answer: Bob is queued in time
+    async with running_gateway(engine, api_keys=(ALICE, BOB), max_running=2) as gw:
+        chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+
+        async def first_token(key: str) -> float:
+            async with (
+                httpx.AsyncClient(base_url=gw.http_url, headers=auth(key)) as http,
+                http.stream("POST", "/v1/chat/completions", json=chat) as answer,
+            ):
+                first = None
+                async for line in answer.aiter_lines():  # read to the end: leaving cancels
+                    if first is None and '"content":"' in line and '"content":""' not in line:
+                        first = asyncio.get_running_loop().time()
+            assert first is not None, "no token"
+            return first
+
+        alices = [asyncio.create_task(first_token(ALICE)) for _ in range(10)]
+        while gw.gateway.scheduler.queued < 8:
+            await asyncio.sleep(0.001)
+        bob = await first_token(BOB)
+        times = sorted(await asyncio.gather(*alices))
+        assert bob < times[3], "Bob waited behind Alice's queue"
+
+
+@pytest.mark.parametrize("level", ["debug", "info"])
+async def test_no_log_line_holds_a_key_or_a_client_secret(level: str) -> None:
+    flags = ("--api-key", ALICE, "--log-level", level)
+    async with gateways("memory", 1, *flags, step_ms=1, tokens=3) as (g,):
+        async with httpx.AsyncClient(base_url=f"http://{g.address}", headers=auth(ALICE)) as http:
+            secret = (await http.post("/v1/realtime/client_secrets", json={})).json()["value"]
+            await http.post("/v1/responses", json={"input": "hi"})
+        async with RawClient.connect(g.url(), additional_headers=auth(ALICE)) as c:
+            token = c.events[0]["resume_token"]
+            await c.respond()
+        subprotocols: Any = ["realtime", f"openai-insecure-api-key.{secret}"]
+        async with RawClient.connect(g.url(), subprotocols=subprotocols) as c:
+            await c.respond()
+        url = g.url("/v1/responses")
+        async with ResponsesClient.connect(url, additional_headers=auth(secret)) as r:
+            await r.respond(input="hi")
+        await g.stop()
+    text = "".join(g.log)
+    assert "GET /v1/realtime" in text or level != "debug"  # DEBUG did log the requests
+    for found in (ALICE, secret, token):
+        assert found not in text, f"a credential in the {level} log"

@@ -34,6 +34,7 @@ from typing import Any
 
 import orjson
 
+from gateway.tenants import LIMIT_NAMES, NO_LIMITS, KeyEntry, TenantLimits
 from sessions import codec, errors
 from sessions.realtime import codec as rt
 
@@ -54,12 +55,13 @@ _KDF_ROUNDS = 100_000  # slows offline guessing of a weak key from a leaked secr
 
 
 ANONYMOUS = ""  # the one tenant of a gateway with no keys
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
-def tenant_name(key: str) -> str:
+def _tenant_of_digest(digest: bytes) -> str:
     """A key's tenant when its line names none: ``key-`` and the start of its SHA-256,
     which says which key without being one (safe in a metric label or a log line)."""
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    return "key-" + digest.hex()[:12]
 
 
 class KeyConfigError(ValueError):
@@ -68,30 +70,83 @@ class KeyConfigError(ValueError):
 
 def read_api_keys(
     keys: Sequence[str] = (), key_file: str | None = None, environ: Mapping[str, str] = os.environ
-) -> tuple[str, ...]:
-    """Every configured key, in order, without repeats: the flags, the file (one key a
-    line, ``#`` comments), then the variable (several separated by commas)."""
-    found: list[tuple[str, str]] = [(key, "--api-key") for key in keys]
+) -> tuple[KeyEntry, ...]:
+    """Every configured key, in order, without repeats: the flags, the file (a line per
+    key: :func:`read_key_file`), then the variable (several separated by commas)."""
+    found = [_checked(key, "--api-key") for key in keys]
     if key_file is not None:
-        try:
-            text = Path(key_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise KeyConfigError(f"--api-key-file {key_file}: {exc}") from None
-        lines = (line.strip() for line in text.splitlines())
-        file_keys = [line for line in lines if line and not line.startswith("#")]
-        if not file_keys:
-            raise KeyConfigError(f"--api-key-file {key_file}: no key in it")
-        found += [(key, f"--api-key-file {key_file}") for key in file_keys]
-    found += [(k.strip(), ENV_VAR) for k in environ.get(ENV_VAR, "").split(",") if k.strip()]
-    for key, source in found:
-        if not _KEY_RE.fullmatch(key):
-            raise KeyConfigError(
-                f"{source}: a key may hold only letters, digits and !#$%&'*+-.^_`|~ "
-                "(it travels as an HTTP header and a WebSocket subprotocol)"
-            )
-        if key.startswith(SECRET_PREFIX):
-            raise KeyConfigError(f"{source}: a key must not start with {SECRET_PREFIX!r}")
-    return tuple(dict.fromkeys(key for key, _ in found))
+        found += read_key_file(key_file)
+    found += [
+        _checked(k.strip(), ENV_VAR) for k in environ.get(ENV_VAR, "").split(",") if k.strip()
+    ]
+    unique: dict[bytes, KeyEntry] = {}
+    for entry in found:
+        unique.setdefault(entry.digest, entry)
+    return tuple(unique.values())
+
+
+def read_key_file(path: str) -> list[KeyEntry]:
+    """``--api-key-file``: a line per key, ``#`` comments and blank lines aside. A line is
+    the key itself, or ``sha256:HEX`` of it (so that the file holds no key), then
+    optional ``word=VALUE`` fields: ``name=NAME`` (the tenant's name in metrics and logs)
+    and the limits ``max_sessions``, ``max_running``, ``requests_per_minute``,
+    ``tokens_per_minute``, ``weight`` (gateway/tenants.py). Two keys may share a name:
+    one tenant, the first line's limits. Raises :class:`KeyConfigError` naming the line."""
+    source = f"--api-key-file {path}"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KeyConfigError(f"{source}: {exc}") from None
+    entries = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if line and not line.startswith("#"):
+            entries.append(_key_line(line, f"{source} line {number}"))
+    if not entries:
+        raise KeyConfigError(f"{source}: no key in it")
+    return entries
+
+
+def _key_line(line: str, where: str) -> KeyEntry:
+    first, *fields = line.split()
+    name: str | None = None
+    limits: dict[str, int] = {}
+    for word in fields:
+        key, sep, value = word.partition("=")
+        if not sep or not value:
+            raise KeyConfigError(f"{where}: {word!r} is not word=VALUE")
+        if key == "name":
+            if not _NAME_RE.fullmatch(value):
+                raise KeyConfigError(f"{where}: name= takes 1 to 64 letters, digits, '_.-'")
+            name = value
+        elif key in (*LIMIT_NAMES, "weight"):
+            if not value.isdigit() or (key == "weight" and int(value) < 1):
+                raise KeyConfigError(f"{where}: {key}= takes a whole number (weight: 1 or more)")
+            limits[key] = int(value)
+        else:
+            known = ", ".join(("name", *LIMIT_NAMES, "weight"))
+            raise KeyConfigError(f"{where}: unknown field {key!r} (known: {known})")
+    tenant_limits = TenantLimits(**limits) if limits else NO_LIMITS
+    if first.startswith("sha256:"):
+        digest_hex = first.removeprefix("sha256:").lower()
+        if not re.fullmatch(r"[0-9a-f]{64}", digest_hex):
+            raise KeyConfigError(f"{where}: sha256: takes the 64 hex digits of the key's SHA-256")
+        digest = bytes.fromhex(digest_hex)
+        return KeyEntry(digest, name or _tenant_of_digest(digest), tenant_limits)
+    entry = _checked(first, where)
+    return KeyEntry(entry.digest, name or entry.tenant, tenant_limits, entry.key)
+
+
+def _checked(key: str, source: str) -> KeyEntry:
+    if not _KEY_RE.fullmatch(key):
+        raise KeyConfigError(
+            f"{source}: a key may hold only letters, digits and !#$%&'*+-.^_`|~ "
+            "(it travels as an HTTP header and a WebSocket subprotocol)"
+        )
+    if key.startswith(SECRET_PREFIX):
+        raise KeyConfigError(f"{source}: a key must not start with {SECRET_PREFIX!r}")
+    digest = _digest(key)
+    return KeyEntry(digest, _tenant_of_digest(digest), NO_LIMITS, key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,9 +155,18 @@ class ClientSecret:
     expires_at: int  # seconds since the epoch
 
 
-@lru_cache(maxsize=64)
-def _signing_key(api_key: str) -> bytes:
-    return hashlib.pbkdf2_hmac("sha256", api_key.encode(), _KDF_SALT, _KDF_ROUNDS)
+@lru_cache(maxsize=256)
+def _signing_key(secret: bytes) -> bytes:
+    return hashlib.pbkdf2_hmac("sha256", secret, _KDF_SALT, _KDF_ROUNDS)
+
+
+def _signing_key_of(entry: KeyEntry) -> bytes:
+    """The key that signs ``entry``'s client secrets: derived from the key itself, or,
+    for a ``sha256:`` line, from its hash (so whoever reads that file can mint client
+    secrets for its tenant, though not use the API key: keep it private)."""
+    return _signing_key(
+        entry.key.encode() if entry.key is not None else entry.digest.hex().encode()
+    )
 
 
 def _key_id(signing_key: bytes) -> bytes:
@@ -123,31 +187,38 @@ class Credentials:
 
     def __init__(
         self,
-        api_keys: Sequence[str] = (),
+        api_keys: Sequence[str | KeyEntry] = (),
         *,
         max_secret_ttl: int = DEFAULT_SECRET_TTL,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        keys = tuple(dict.fromkeys(api_keys))
-        self.required = bool(keys)
+        entries = [_checked(k, "a key") if isinstance(k, str) else k for k in api_keys]
+        self.entries = tuple({e.digest: e for e in reversed(entries)}.values())[::-1]
+        self.required = bool(self.entries)
         self.max_secret_ttl = max_secret_ttl
         self._clock = clock
-        self._keys = [(key, _digest(key)) for key in keys]
-        self._signing_by_key = {key: _signing_key(key) for key in keys}
+        self._signing_by_digest = {e.digest: _signing_key_of(e) for e in self.entries}
         self._open_signing_key = secrets.token_bytes(32)  # used while no key is configured
         self._signing_by_id: dict[bytes, list[tuple[bytes, str]]] = {}
-        self._tenant_by_key = {key: tenant_name(key) for key in keys}
-        signing_keys = [(s, self._tenant_by_key[k]) for k, s in self._signing_by_key.items()]
+        signing_keys = [(self._signing_by_digest[e.digest], e.tenant) for e in self.entries]
         for signing, tenant in signing_keys or [(self._open_signing_key, ANONYMOUS)]:
             self._signing_by_id.setdefault(_key_id(signing), []).append((signing, tenant))
 
-    def is_api_key(self, offered: str) -> str | None:
+    @property
+    def limits(self) -> dict[str, TenantLimits]:
+        """Each tenant's limits (a name on several lines: the first line's)."""
+        found: dict[str, TenantLimits] = {}
+        for entry in self.entries:
+            found.setdefault(entry.tenant, entry.limits)
+        return found
+
+    def is_api_key(self, offered: str) -> KeyEntry | None:
         """The configured key ``offered`` is (compared in constant time), or None."""
         digest = _digest(offered)
         match = None
-        for key, key_digest in self._keys:  # no early exit: the time names no key
-            if hmac.compare_digest(digest, key_digest):
-                match = key
+        for entry in self.entries:  # no early exit: the time names no key
+            if hmac.compare_digest(digest, entry.digest):
+                match = entry
         return match
 
     def admits(self, offered: str) -> bool:
@@ -162,14 +233,16 @@ class Credentials:
             return self.secret_tenant(offered)
         if not self.required:
             return ANONYMOUS
-        key = self.is_api_key(offered)
-        return None if key is None else self._tenant_by_key[key]
+        entry = self.is_api_key(offered)
+        return None if entry is None else entry.tenant
 
-    def mint(self, api_key: str | None, ttl: int | None = None) -> ClientSecret:
+    def mint(self, api_key: KeyEntry | None, ttl: int | None = None) -> ClientSecret:
         """A secret signed with ``api_key``'s signing key, valid for ``ttl`` seconds
         (the default and the ceiling are ``max_secret_ttl``)."""
         lifetime = self.max_secret_ttl if ttl is None else min(ttl, self.max_secret_ttl)
-        signing = self._open_signing_key if api_key is None else self._signing_by_key[api_key]
+        signing = (
+            self._open_signing_key if api_key is None else self._signing_by_digest[api_key.digest]
+        )
         expires_at = int(self._clock()) + lifetime
         payload = _PAYLOAD.pack(_VERSION, _key_id(signing), expires_at, secrets.token_bytes(8))
         mac = hmac.digest(signing, payload, "sha256")[:_MAC_BYTES]

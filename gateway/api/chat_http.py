@@ -22,6 +22,7 @@ from gateway.api.admission import Admission, Entry
 from gateway.api.status import ServerState
 from gateway.config import GatewayConfig
 from gateway.session_table import SessionTable
+from gateway.tenants import retry_after_header
 from gateway.transport.http1 import HttpReply, HttpRequest
 from gateway.transport.router import Router
 from gateway.transport.sse import SseWire, chat_messages
@@ -167,5 +168,6 @@ class ChatCompletionsHttp:
 
 def _error(reply: HttpReply, err: errors.ProtocolError) -> None:
     status = codec.http_status(err)
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    wait = retry_after_header(err.retry_after or 1.0)
+    headers = {"Retry-After": wait} if status in (429, 503) else None
     reply.send_json(status, cc.error_json(err), headers)

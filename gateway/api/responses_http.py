@@ -28,6 +28,7 @@ from gateway.api.status import ServerState
 from gateway.cluster.persistence import Persistence
 from gateway.config import GatewayConfig
 from gateway.session_table import SessionTable
+from gateway.tenants import retry_after_header
 from gateway.transport.http1 import HttpReply, HttpRequest
 from gateway.transport.router import Router
 from gateway.transport.sse import SseWire
@@ -134,6 +135,7 @@ class ResponsesHttp:
             dialect,
             ResponsesFraming(),
             replay_bytes=BACKGROUND_REPLAY_BYTES if body.background else 0,
+            kept=body.background,  # a plain answer dies with its request: no one resumes it
             tenant=tenant,
         )
         await session.deliver(rp.Create(body))
@@ -404,7 +406,8 @@ def _error_body(err: errors.ProtocolError) -> dict[str, Any]:
 
 def _error(reply: HttpReply, err: errors.ProtocolError) -> None:
     status = codec.http_status(err)
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    wait = retry_after_header(err.retry_after or 1.0)
+    headers = {"Retry-After": wait} if status in (429, 503) else None
     reply.send_json(status, _error_body(err), headers)
 
 

@@ -43,6 +43,7 @@ from gateway.cluster.resumes import Resumes
 from gateway.config import GatewayConfig
 from gateway.metrics import Metrics
 from gateway.session_table import SessionTable
+from gateway.tenants import retry_after_header
 from gateway.transport.head_timers import refusal
 from gateway.transport.wire import (
     NullWire,
@@ -115,6 +116,12 @@ class WebSocketEndpoint:
         refused = self._admission.refuse(request.headers, Entry.WEBSOCKET)
         if refused is not None:
             return refusal(refused.status, refused.message, refused.headers)
+        tenant = self._admission.tenant(request.headers, Entry.WEBSOCKET)
+        over = self._table.scheduler.tenants.refuse_session(tenant)
+        if over is not None and _resume_fields_absent(request):
+            self._metrics.tenant_refused.labels(tenant=tenant, reason="session").inc()
+            wait = retry_after_header(over.retry_after)
+            return refusal(429, f"rate_limit_exceeded: {over.message}", {"Retry-After": wait})
         if self._full():
             limit = self._config.max_sessions
             return refusal(503, f"Too many sessions (limit {limit}); retry later.")
@@ -305,6 +312,11 @@ class WebSocketEndpoint:
                 if wire.check_stall(now, stall):
                     log.info("closing a connection that read nothing for %.1fs", stall)
                     self._metrics.stalled.inc()
+
+
+def _resume_fields_absent(request: Request) -> bool:
+    """Not a Responses resume: a resume takes back a session the tenant already has."""
+    return "x-session-id" not in request.headers and "resume_token=" not in request.path
 
 
 def is_responses_upgrade(request: Request) -> bool:

@@ -327,8 +327,13 @@ class RealtimeDialect:
         self._put_rate_limits()
 
     def _put_rate_limits(self) -> None:
-        """``rate_limits.updated``: the scheduler's capacity now (docs/protocol.md)."""
+        """``rate_limits.updated``: the tenant's requests and tokens left this minute, where
+        its key has such limits; else the scheduler's capacity now (docs/protocol.md)."""
         s = self.core.scheduler
+        tenant_limits = s.tenants.remaining(self.core.tenant)
+        if tenant_limits:
+            self.core.outbox.put(codec.event("rate_limits.updated", rate_limits=tenant_limits))
+            return
         limit = s.max_running + s.max_queued
         limits: list[codec.JSON] = [
             {"name": "requests", "limit": limit, "remaining": max(0, limit - s.running - s.queued)}
