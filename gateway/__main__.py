@@ -560,7 +560,7 @@ def _loop_name(loop: asyncio.AbstractEventLoop) -> str:
 
 def run_workers(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Start ``--workers`` copies of this command on one port; forward SIGTERM/SIGINT
-    (and SIGHUP, with which each reloads its TLS certificate)."""
+    (and SIGHUP, with which each reloads its TLS certificate and key file)."""
     port = args.port or _free_port(args.host)
     base = [a for a in argv if not a.startswith("--workers")]
     if "--workers" in argv:  # the value was a separate word

@@ -194,7 +194,7 @@ class Metrics:
         )
         self.tenant_sessions = self._gauge(
             "gateway_tenant_sessions",
-            "Sessions open (or waiting to resume), by tenant.",
+            "Sessions connected (not those waiting for a resume), by tenant.",
             ["tenant"],
         )
         self.tenant_refused = self._counter(

@@ -126,8 +126,7 @@ class SessionTable:
             self._unkept.add(session)
         else:
             # A session a client can come back to counts against its tenant's max_sessions.
-            self.scheduler.tenants.session_opened(session.tenant)
-            self.metrics.tenant_sessions.labels(tenant=session.tenant).inc()
+            self._count_tenant(session, 1)
             if self.keeper is not None:
                 self.keeper.adopt(session)
         task = asyncio.get_running_loop().create_task(self._live(session), name=session.id)
@@ -135,11 +134,23 @@ class SessionTable:
         task.add_done_callback(self._tasks.discard)
 
     def set_detached(self, session: Session, detached: bool) -> None:
+        was = session in self._detached
         if detached:
             self._detached.add(session)
         else:
             self._detached.discard(session)
         self.metrics.detached.set(len(self._detached))
+        if was != detached and session.id in self._by_id and session not in self._unkept:
+            # A tenant's max_sessions counts connected sessions: one waiting for its
+            # resume leaves room for the connection that resumes it.
+            self._count_tenant(session, -1 if detached else 1)
+
+    def _count_tenant(self, session: Session, change: int) -> None:
+        if change > 0:
+            self.scheduler.tenants.session_opened(session.tenant)
+        else:
+            self.scheduler.tenants.session_closed(session.tenant)
+        self.metrics.tenant_sessions.labels(tenant=session.tenant).inc(change)
 
     def close_all(self, reason: CancelReason, code: int, message: str) -> None:
         for session in list(self._by_id.values()):
@@ -170,8 +181,8 @@ class SessionTable:
         finally:
             del self._by_id[session.id]
             if session not in self._unkept:
-                self.scheduler.tenants.session_closed(session.tenant)
-                self.metrics.tenant_sessions.labels(tenant=session.tenant).dec()
+                if session not in self._detached:
+                    self._count_tenant(session, -1)
                 if self.keeper is not None:
                     self.keeper.ended(session)
             self._unkept.discard(session)

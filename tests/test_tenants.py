@@ -12,6 +12,7 @@ import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from gateway.cluster.redis_store import response_key
 from gateway.engines.sim import SimEngine
 from tests.support.gateway_processes import gateways
 from tests.support.harness import RawClient, RunningGateway, running_gateway
@@ -133,6 +134,10 @@ async def test_the_redis_store_keeps_each_tenants_responses_its_own(
         async with httpx.AsyncClient(headers=auth(ALICE)) as http:
             made = await http.post(f"http://{a.address}/v1/responses", json={"input": "hi"})
             rid = made.json()["id"]
+            # The store's write follows the answer (one flush later): wait for it there.
+            async with asyncio.timeout(10):
+                while not redis_server.client().exists(response_key(rid)):
+                    await asyncio.sleep(0.01)
             assert (await http.get(f"http://{b.address}/v1/responses/{rid}")).status_code == 200
         async with httpx.AsyncClient(headers=auth(BOB)) as http:
             theirs = await http.get(f"http://{b.address}/v1/responses/{rid}")
@@ -280,3 +285,26 @@ async def test_no_log_line_holds_a_key_or_a_client_secret(level: str) -> None:
     assert "GET /v1/realtime" in text or level != "debug"  # DEBUG did log the requests
     for found in (ALICE, secret, token):
         assert found not in text, f"a credential in the {level} log"
+
+
+async def test_a_session_waiting_for_its_resume_leaves_room_to_resume_it(
+    tmp_path: Any,
+) -> None:
+    keys = key_file(tmp_path, f"{ALICE} name=alice max_sessions=1\n")
+    async with running_gateway(SimEngine(step_ms=1), api_key_file=keys) as gw:
+        async with RawClient.connect(gw.ws_url, additional_headers=auth(ALICE)) as first:
+            created = first.events[0]
+            first.ws.transport.abort()
+        while not gw.gateway.table.detached:
+            await asyncio.sleep(0.005)
+        async with RawClient.connect(gw.ws_url, additional_headers=auth(ALICE)) as again:
+            await again.send(
+                {
+                    "type": "session.resume",
+                    "session_id": created["session"]["id"],
+                    "resume_token": created["resume_token"],
+                    "last_sequence_number": created["sequence_number"],
+                }
+            )
+            assert (await again.recv_until("session.resumed"))["type"] == "session.resumed"
+        assert gw.gateway.scheduler.tenants.sessions["alice"] <= 1
