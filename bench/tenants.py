@@ -6,7 +6,10 @@ of two tenants. Tenant *alice* runs 200 Realtime sessions flat out (each sends i
 slots. One session of tenant *bob* asks a question at a time, with a random pause, and
 measures its time to first token (``response.create`` sent to its first delta):
 
-- *alone*: no other load;
+- *alone*: no other load (the sim then steps the moment a request comes: no step to
+  wait for);
+- *busy engine*: beside 32 of alice's sessions, fewer than the slots (the engine steps
+  every 20 ms, nothing waits for a slot: the floor a loaded engine can give);
 - *other tenant*: with alice's 200 sessions running;
 - *same tenant*: the same, but the measured session uses alice's key (what every
   session got before tenants were shared first: one more session among 201).
@@ -102,9 +105,10 @@ def run(rounds: int, load: int, turns: int, loop: str) -> dict[str, Any]:
         keys.write(f"{ALICE} name=alice\n{BOB} name=bob\n")
     argv = gateway_argv(loop=loop, step_ms=20, max_batch=64, response_tokens=32)
     argv += ["--api-key-file", keys.name]
-    results: dict[str, list[dict[str, float]]] = {"alone": [], "other": [], "same": []}
+    results: dict[str, list[dict[str, float]]] = {"alone": [], "busy": [], "other": [], "same": []}
     for number in range(rounds):
-        for name, key, clients in (("alone", BOB, 0), ("other", BOB, load), ("same", ALICE, load)):
+        arms = (("alone", BOB, 0), ("busy", BOB, 32), ("other", BOB, load), ("same", ALICE, load))
+        for name, key, clients in arms:
             with server_process(argv) as server:
                 row = asyncio.run(arm(server.ws_url, key, clients, turns))
             results[name].append(row)
@@ -135,23 +139,35 @@ def report(data: dict[str, Any]) -> str:
         f"token. {s['rounds']} rounds, each arm a fresh gateway, loop {s['loop']}; medians "
         "(range) of each round's percentile, ms.",
         "",
-        "| arm | TTFT p50 | TTFT p99 | p50 vs alone |",
-        "|---|---|---|---|",
+        "| arm | TTFT p50 | TTFT p99 | p50 vs alone | p50 vs busy engine |",
+        "|---|---|---|---|---|",
     ]
     alone = med("alone", "p50")[0]
+    busy = med("busy", "p50")[0]
     labels = {
         "alone": "bob alone",
+        "busy": "bob beside 32 of alice's sessions (engine busy, slots free)",
         "other": "bob (another tenant) beside alice's load",
         "same": "a session of alice's tenant beside alice's load (no tenant share)",
     }
-    for name in ("alone", "other", "same"):
+    for name in ("alone", "busy", "other", "same"):
         p50, p99 = med(name, "p50"), med(name, "p99")
         lines.append(
             f"| {labels[name]} | {p50[0]:.1f} ({p50[1]:.1f}–{p50[2]:.1f}) | "
-            f"{p99[0]:.1f} ({p99[1]:.1f}–{p99[2]:.1f}) | x{p50[0] / alone:.2f} |"
+            f"{p99[0]:.1f} ({p99[1]:.1f}–{p99[2]:.1f}) | x{p50[0] / alone:.2f} | "
+            f"x{p50[0] / busy:.2f} |"
         )
-    verdict = "met" if med("other", "p50")[0] <= 2 * alone else "**missed**"
-    lines += ["", f"Target: bob's p50 beside alice's load at most 2x alone: {verdict}.", ""]
+    other = med("other", "p50")[0]
+    lines += [
+        "",
+        f"Target, bob's p50 beside alice's load at most 2x alone: "
+        f"{'met' if other <= 2 * alone else '**missed**'} against the idle engine "
+        f"(x{other / alone:.1f}), {'met' if other <= 2 * busy else '**missed**'} against "
+        f"the busy one (x{other / busy:.2f}). Alone, the sim steps the moment a request "
+        "comes; under any load a first token waits for the next 20 ms step, the floor "
+        "that no admission policy lowers.",
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -627,19 +627,30 @@ def not_a_client_fault(record: logging.LogRecord) -> bool:
 
 
 # What a log line must not hold, whatever logs it (websockets at DEBUG logs every request
-# header): a key or a client secret in Authorization, the key subprotocol, a client
-# secret anywhere, a resume token.
+# header): a credential in Authorization (to the end of the value: a key may hold '&'),
+# the key subprotocol, a client secret anywhere, a resume token in a header, a query or
+# an event.
 _SECRETS = re.compile(
-    r"(?i)(authorization:\s*bearer\s+|openai-insecure-api-key\.|x-resume-token:\s*|"
-    r"resume_token=|\"resume_token\":\s*\")[^\s,\"&]+"
+    r"(?i)(authorization:\s*bearer\s+|x-resume-token:\s*)\S+"
+    r"|(openai-insecure-api-key\.)[^\s,\"']+"
+    r"|(resume_token=)[^\s&\"']+"
+    r"|(\"resume_token\":\s*\")[^\"]+"
     r"|\bek_[A-Za-z0-9_-]{16,}"
 )
 
 
+def _redacted(match: re.Match[str]) -> str:
+    kept = next((group for group in match.groups() if group), "ek_")
+    return kept + "[redacted]"
+
+
 def redact_secrets(record: logging.LogRecord) -> bool:
     """A log filter: the record's message with every credential replaced by [redacted]."""
-    message = record.getMessage()
-    redacted = _SECRETS.sub(lambda m: (m.group(1) or "ek_") + "[redacted]", message)
+    try:
+        message = record.getMessage()
+    except Exception:  # a malformed log call: logging reports it, as without the filter
+        return True
+    redacted = _SECRETS.sub(_redacted, message)
     if redacted != message:
         record.msg, record.args = redacted, None
     return True

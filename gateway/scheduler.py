@@ -214,7 +214,10 @@ class Scheduler:
             # goes first; within it, the session with the fewest running, ties to the one
             # served longest ago: a newcomer overtakes a session that was just served,
             # which is what keeps one batch (or one busy tenant) from starving the rest.
-            session_key = min(self._queues, key=self._priority)
+            eligible = [k for k in self._queues if self._may_take_slot(k)]
+            if not eligible:
+                break  # what waits is one busy tenant's, and the free slots are the reserve
+            session_key = min(eligible, key=self._priority)
             queue = self._queues.pop(session_key)
             job = queue.popleft()
             if queue:  # back of the line with what it has left
@@ -223,6 +226,23 @@ class Scheduler:
             self._served += 1
             self._last_served[session_key] = self._served
             self._start(job)
+
+    @property
+    def reserve(self) -> int:
+        """Slots no one tenant may fill while others are configured: admission does not
+        preempt, so without them one tenant flat out holds every slot and another's next
+        answer waits for a whole answer to end. A thirty-second of the slots (at least
+        one); none on a gateway with one tenant (no keys, or one)."""
+        if len(self.tenants.limits) < 2:
+            return 0
+        return min(max(1, self.max_running // 32), self.max_running - 1)
+
+    def _may_take_slot(self, session_key: str) -> bool:
+        reserve = self.reserve
+        if not reserve:
+            return True
+        tenant = self._queues[session_key][0].tenant
+        return self.tenants.running[tenant] < self.max_running - reserve
 
     def _priority(self, session_key: str) -> tuple[float, int, int]:
         tenant = self._queues[session_key][0].tenant

@@ -35,6 +35,7 @@ from gateway.engines.base import Engine, EngineError
 from gateway.metrics import Metrics
 from gateway.scheduler import Scheduler
 from gateway.session_table import SessionTable
+from gateway.tenants import KeyEntry
 from gateway.transport import tls
 from gateway.transport.head_timers import Pending
 from gateway.transport.http1 import HttpService
@@ -293,9 +294,10 @@ class Gateway:
 
     def _credentials(self) -> auth.Credentials:
         """The keys of the flags and the variable, then --api-key-file's as it is now."""
-        keys = [*self.config.api_keys]
+        keys: list[str | KeyEntry] = []  # the file first: a key there keeps its name, limits
         if self.config.api_key_file is not None:
             keys += auth.read_key_file(self.config.api_key_file)
+        keys += self.config.api_keys
         return auth.Credentials(keys, max_secret_ttl=self.config.client_secret_ttl)
 
     def reload(self) -> None:

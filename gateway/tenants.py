@@ -118,7 +118,7 @@ class TenantBook:
         now = self._clock()
         rpm = limits.requests_per_minute
         if rpm is not None and len(usage.requests) >= rpm:
-            wait = usage.requests[0] + WINDOW_S - now
+            wait = usage.requests[0] + WINDOW_S - now if usage.requests else WINDOW_S
             return OverLimit(f"This key's requests_per_minute ({rpm}) is used up.", wait)
         tpm = limits.tokens_per_minute
         if tpm is not None and usage.token_sum >= tpm:

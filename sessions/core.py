@@ -531,16 +531,7 @@ class Session:
 
         The dialect's ``response_started`` runs before this returns, and before the
         job's first step can reach the session."""
-        over = self.scheduler.tenants.refuse_request(self.tenant)
-        if over is not None:
-            if self.metrics is not None:
-                self.metrics.tenant_refused.labels(tenant=self.tenant, reason="request").inc()
-            raise errors.ProtocolError(
-                "rate_limit_exceeded",
-                f"Rate limit reached: {over.message} Retry in {over.retry_after:.1f} s.",
-                error_type="requests",
-                retry_after=over.retry_after,
-            )
+        self.check_rate_limits()
         response_id = response_id or codec.new_id("resp")
         request = GenerationRequest(
             request_id=response_id,
@@ -564,6 +555,26 @@ class Session:
             # an answer cut before its first token leaves an (incomplete) item.
             self._open_text(response)
         return response
+
+    def check_rate_limits(self) -> None:
+        """Raise ``rate_limit_exceeded`` if the session's tenant may start no answer now
+        (its key file line's limits: gateway/tenants.py)."""
+        over = self.scheduler.tenants.refuse_request(self.tenant)
+        if over is None:
+            return
+        if self.metrics is not None:
+            self.metrics.tenant_refused.labels(tenant=self.tenant, reason="request").inc()
+        raise errors.ProtocolError(
+            "rate_limit_exceeded",
+            f"Rate limit reached: {over.message} Retry in {over.retry_after:.1f} s.",
+            error_type="requests",
+            retry_after=over.retry_after,
+        )
+
+    def affinity(self, key: str | None) -> str | None:
+        """A client's cache key (``prompt_cache_key``) as the engine's affinity key: within
+        the session's tenant, so that no tenant lands on (or evicts) another's cache."""
+        return None if key is None else f"{self.tenant}\x00{key}"
 
     def continue_response(self, r: ResponseState) -> None:
         """Go on with ``r``, a response a stopped gateway was streaming (a takeover): its

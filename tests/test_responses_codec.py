@@ -9,7 +9,6 @@ tests/test_realtime_codec.py.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import re
 import typing
@@ -306,12 +305,25 @@ def test_custom_tools_are_offered_as_one_string_parameter() -> None:
 @pytest.mark.parametrize("text", ["plain", 'a "quoted"\nline\\', "é ✨ 🚀 한글", "", "x" * 300])
 def test_a_custom_inputs_prefix_decodes_as_its_arguments_arrive(text: str) -> None:
     arguments = json.dumps({"input": text})
-    seen = [rtools.partial_input(arguments[:n]) for n in range(len(arguments) + 1)]
-    for shorter, longer in itertools.pairwise(seen):
-        assert longer.startswith(shorter)  # a prefix only grows: deltas are its growth
-    assert seen[-1] == text == rtools.custom_input(arguments)
-    assert rtools.partial_input('{"other": 1}') == ""
+    for size in (1, 2, 3, 7, len(arguments)):  # every cut, escapes and pairs included
+        decoder = rtools.InputDecoder()
+        pieces = [arguments[i : i + size] for i in range(0, len(arguments), size)]
+        assert "".join(decoder.feed(p) for p in pieces) == text == rtools.custom_input(arguments)
+    other = rtools.InputDecoder()
+    assert other.feed('{"other": 1, "input": "x"}') == "" and other.feed("more") == ""
     assert rtools.custom_input("not json") == "not json"
+
+
+def test_a_custom_inputs_decoder_holds_back_at_most_an_escape() -> None:
+    """What makes streaming a long input linear: each piece is decoded once, and only an
+    escape cut in two waits for the next piece (not the input so far)."""
+    arguments = json.dumps({"input": "line \u00e9 \U0001f680 \\ of a patch\n" * 500})
+    decoder = rtools.InputDecoder()
+    decoded = []
+    for i in range(0, len(arguments), 3):
+        decoded.append(decoder.feed(arguments[i : i + 3]))
+        assert len(decoder._pending) < 12  # at most a \uXXXX\uXXXX pair
+    assert "".join(decoded) == json.loads(arguments)["input"]
 
 
 def test_hosted_tools_are_noted_for_the_dialect_and_left_out() -> None:

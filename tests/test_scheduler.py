@@ -11,6 +11,7 @@ import pytest
 from gateway.engines.base import GenerationRequest, Message, ToolCallDelta
 from gateway.engines.sim import SimEngine
 from gateway.scheduler import Job, Outcome, Scheduler
+from gateway.tenants import TenantBook, TenantLimits
 
 
 class Recorder:
@@ -181,3 +182,28 @@ async def test_a_streaming_engine_cancelled_before_its_first_step_still_confirms
     finally:
         await scheduler.close()
         await engine.close()
+
+
+async def test_with_two_tenants_one_cannot_fill_every_slot(engine: SimEngine) -> None:
+    """Admission does not preempt: a reserve of slots keeps a busy tenant from holding
+    them all, so another tenant's answer starts at once; with one tenant, no reserve."""
+    book = TenantBook({"alice": TenantLimits(), "bob": TenantLimits()})
+    scheduler, sink = Scheduler(engine, max_running=64, max_queued=1000, tenants=book), Recorder()
+    for i in range(100):
+        scheduler.submit(
+            Job(GenerationRequest(f"a{i}", (Message("user", "x"),)), f"a{i}", sink, tenant="alice")
+        )
+    assert scheduler.running == 64 - scheduler.reserve == 62
+    scheduler.submit(Job(GenerationRequest("b", (Message("user", "x"),)), "b", sink, tenant="bob"))
+    assert scheduler.running == 63  # bob's answer took a reserved slot at once
+    await sink.wait_for(101)
+    other = SimEngine(step_ms=1, response_tokens=5)
+    await other.start()
+    try:
+        alone, done = Scheduler(other, max_running=64, max_queued=1000), Recorder()
+        for i in range(100):
+            alone.submit(job(f"c{i}", f"c{i}", done))
+        assert alone.reserve == 0 and alone.running == 64
+        await done.wait_for(100)
+    finally:
+        await other.close()

@@ -120,7 +120,7 @@ def _key_line(line: str, where: str) -> KeyEntry:
                 raise KeyConfigError(f"{where}: name= takes 1 to 64 letters, digits, '_.-'")
             name = value
         elif key in (*LIMIT_NAMES, "weight"):
-            if not value.isdigit() or (key == "weight" and int(value) < 1):
+            if not re.fullmatch(r"[0-9]{1,12}", value) or (key == "weight" and int(value) < 1):
                 raise KeyConfigError(f"{where}: {key}= takes a whole number (weight: 1 or more)")
             limits[key] = int(value)
         else:
@@ -155,7 +155,7 @@ class ClientSecret:
     expires_at: int  # seconds since the epoch
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=4096)  # a SIGHUP derives only the keys it has not seen (100k rounds each)
 def _signing_key(secret: bytes) -> bytes:
     return hashlib.pbkdf2_hmac("sha256", secret, _KDF_SALT, _KDF_ROUNDS)
 
@@ -192,8 +192,11 @@ class Credentials:
         max_secret_ttl: int = DEFAULT_SECRET_TTL,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        entries = [_checked(k, "a key") if isinstance(k, str) else k for k in api_keys]
-        self.entries = tuple({e.digest: e for e in reversed(entries)}.values())[::-1]
+        first: dict[bytes, KeyEntry] = {}  # a key given twice: its first line counts
+        for k in api_keys:
+            entry = _checked(k, "a key") if isinstance(k, str) else k
+            first.setdefault(entry.digest, entry)
+        self.entries = tuple(first.values())
         self.required = bool(self.entries)
         self.max_secret_ttl = max_secret_ttl
         self._clock = clock
@@ -248,10 +251,6 @@ class Credentials:
         mac = hmac.digest(signing, payload, "sha256")[:_MAC_BYTES]
         token = base64.urlsafe_b64encode(payload + mac).decode().rstrip("=")
         return ClientSecret(SECRET_PREFIX + token, expires_at)
-
-    def check_secret(self, value: str) -> bool:
-        """Is ``value`` a secret minted with a configured key, and not yet expired?"""
-        return self.secret_tenant(value) is not None
 
     def secret_tenant(self, value: str) -> str | None:
         """The tenant of the key that minted ``value``, if it is a secret that key signed

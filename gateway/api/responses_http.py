@@ -283,9 +283,8 @@ class ResponsesHttp:
         if live is None and stored is None:
             _not_found(reply, response_id)  # another tenant's: as if it did not exist
             return
-        if live is not None:
-            del self.background[response_id]
-            self._forget(live)
+        if live is not None and self.background.pop(response_id, None) is not None:
+            self._forget(live)  # (a DELETE that raced this one may have forgotten it)
         self.response_store.delete(response_id, notify=True)
         reply.send_json(200, {"id": response_id, "object": "response.deleted", "deleted": True})
 

@@ -25,15 +25,16 @@ import functools
 import logging
 import time
 import urllib.parse
+import weakref
 from collections.abc import Sequence
 
 from websockets.asyncio.server import ServerConnection
-from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
 from gateway.api.admission import Admission, Entry
+from gateway.api.auth import ANONYMOUS
 from gateway.api.routes import RESPONSES_PATH
 from gateway.api.status import ServerState
 from gateway.cluster import worker_relay
@@ -84,6 +85,10 @@ class WebSocketEndpoint:
         self._store = store
         self._persistence = persistence
         self._wires: set[SocketWire] = set()  # attached to a session's outbox
+        # Each handshake's tenant, from process_request to handle() (gone with it).
+        self._tenants: weakref.WeakKeyDictionary[ServerConnection, str] = (
+            weakref.WeakKeyDictionary()
+        )
         self._stall_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -103,7 +108,7 @@ class WebSocketEndpoint:
 
     def process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         try:
-            refused = self._refuse_handshake(request)
+            refused = self._refuse_handshake(connection, request)
         except Exception:
             # Logged here: websockets would log it only at DEBUG (see __main__).
             log.exception("failed to answer GET %s", request.path)
@@ -112,13 +117,17 @@ class WebSocketEndpoint:
             self._metrics.connections_refused.labels(status=str(refused.status_code)).inc()
         return refused
 
-    def _refuse_handshake(self, request: Request) -> Response | None:
+    def _refuse_handshake(self, connection: ServerConnection, request: Request) -> Response | None:
         refused = self._admission.refuse(request.headers, Entry.WEBSOCKET)
         if refused is not None:
             return refusal(refused.status, refused.message, refused.headers)
+        # Read once, while the credential is known to be good: the connection is this
+        # tenant's even if a SIGHUP removes its key before handle() runs.
         tenant = self._admission.tenant(request.headers, Entry.WEBSOCKET)
+        self._tenants[connection] = tenant
         over = self._table.scheduler.tenants.refuse_session(tenant)
-        if over is not None and _resume_fields_absent(request):
+        resuming = is_responses_upgrade(request) and self._resumes.asks_resume(request)
+        if over is not None and not resuming:
             self._metrics.tenant_refused.labels(tenant=tenant, reason="session").inc()
             wait = retry_after_header(over.retry_after)
             return refusal(429, f"rate_limit_exceeded: {over.message}", {"Retry-After": wait})
@@ -138,15 +147,16 @@ class WebSocketEndpoint:
                     "The Responses WebSocket mode is off on this gateway "
                     "(--no-responses-websocket): POST /v1/responses instead.",
                 )
-            tenant = self._admission.tenant(request.headers, Entry.WEBSOCKET)
             return self._resumes.refuse_upgrade(request, tenant)
         return None
 
     def process_response(
         self, connection: ServerConnection, request: Request, response: Response
     ) -> Response | None:
-        if response.status_code == 101 and is_responses_upgrade(request):
-            tenant = self._admission.tenant(request.headers, Entry.WEBSOCKET)
+        if response.status_code != 101:
+            self._tenants.pop(connection, None)
+        elif is_responses_upgrade(request):
+            tenant = self._tenants.get(connection, ANONYMOUS)
             self._resumes.name_upgrade(connection, request, response, tenant)
         return None
 
@@ -163,9 +173,13 @@ class WebSocketEndpoint:
             return
         cap_kernel_send_buffer(ws)
         upgrade = self._resumes.take_upgrade(ws)
-        headers = ws.request.headers if ws.request is not None else Headers()
-        tenant = self._admission.tenant(headers, Entry.WEBSOCKET)
-        forget_handshake(ws)  # the request's headers go: read them above
+        tenant = self._tenants.pop(ws, ANONYMOUS)
+        forget_handshake(ws)
+        if upgrade is None and self._table.scheduler.tenants.refuse_session(tenant) is not None:
+            # Handshakes that raced past the check in process_request.
+            self._metrics.tenant_refused.labels(tenant=tenant, reason="session").inc()
+            await close_socket(ws, 1013, "rate_limit_exceeded: the key's max_sessions")
+            return
         wire = SocketWire(ws, self._store)
         self._wires.add(wire)
         api = "realtime" if upgrade is None else "responses"
@@ -312,11 +326,6 @@ class WebSocketEndpoint:
                 if wire.check_stall(now, stall):
                     log.info("closing a connection that read nothing for %.1fs", stall)
                     self._metrics.stalled.inc()
-
-
-def _resume_fields_absent(request: Request) -> bool:
-    """Not a Responses resume: a resume takes back a session the tenant already has."""
-    return "x-session-id" not in request.headers and "resume_token=" not in request.path
 
 
 def is_responses_upgrade(request: Request) -> bool:

@@ -92,6 +92,11 @@ class Resumes:
 
     # -- the Responses WebSocket's upgrade ----------------------------------------------
 
+    @staticmethod
+    def asks_resume(request: Request) -> bool:
+        """Does this Responses upgrade ask to resume a session (which its tenant has)?"""
+        return _resume_fields(request) is not None
+
     def refuse_upgrade(self, request: Request, tenant: str) -> Response | None:
         """A resume asked for that cannot be served: refused before the upgrade (the
         client then knows it lost the session, and starts a new one)."""
@@ -272,9 +277,10 @@ class Resumes:
     def take_over(
         self, event: rt.SessionResume, wire: SocketWire, tenant: str | None = None
     ) -> Session:
-        """Attach ``wire`` to the session ``event`` names, if it is ``tenant``'s (None: a
-        worker's relay, which the first worker checked) and its token and replay buffer
-        allow; else raise :class:`ResumeRefused`."""
+        """Attach ``wire`` to the session ``event`` names, if it is ``tenant``'s and its
+        token and replay buffer allow; else raise :class:`ResumeRefused`. ``tenant`` None:
+        a resume relayed from another worker of this host, whose relay does not carry the
+        tenant: the token alone decides (docs/deployment.md says so)."""
         target = self._table.get(event.session_id)
         if target is not None and tenant is not None and target.tenant != tenant:
             target = None  # another tenant's: as if there were none

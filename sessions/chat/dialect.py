@@ -124,7 +124,7 @@ class ChatDialect:
             tools=body.tools,
             tool_choice=body.tool_choice,
             in_conversation=False,
-            affinity_key=body.affinity_key,
+            affinity_key=core.affinity(body.affinity_key),
             metadata=body.metadata,
         )
         if core.start_response(spec, response_id=self._head["id"]) is None:

@@ -367,7 +367,7 @@ class ResponsesDialect:
             tools=tools,
             tool_choice=choice,
             in_conversation=False,
-            affinity_key=body.affinity_key or lane.affinity_key,
+            affinity_key=core.affinity(body.affinity_key) or lane.affinity_key,
             metadata=body.metadata,
             tag=turn,
         )
@@ -388,12 +388,13 @@ class ResponsesDialect:
     ) -> None:
         """Store the input as a response without output; prefill the lane's cache."""
         core = self.core
+        core.check_rate_limits()  # a prefill takes an engine slot as an answer does
         response_id = codec.new_id("resp")
         request = GenerationRequest(
             request_id=response_id,
             messages=messages,
             sampling=replace(sampling, max_output_tokens=1),
-            affinity_key=turn.body.affinity_key or lane.affinity_key,
+            affinity_key=core.affinity(turn.body.affinity_key) or lane.affinity_key,
         )
         job = Job(
             request,
@@ -401,6 +402,7 @@ class ResponsesDialect:
             sink=_Prefill(
                 lambda o: core.call_soon(lambda: self._prefilled(lane, turn, response_id, o))
             ),
+            tenant=core.tenant,
         )
         body = self._response_json(response_id, turn, "in_progress")
         self._put(lane, {"type": "response.created", "response": body})

@@ -281,44 +281,73 @@ def custom_input(arguments: str) -> str:
 
 _INPUT_KEY = re.compile(r'\s*\{\s*"input"\s*:\s*"')
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+_MAX_OPENING = 64  # arguments that do not open with {"input": " within this: not streamed
 
 
-def partial_input(arguments: str) -> str:
-    """What the arguments so far say of the ``input`` string: its decoded prefix, up to
-    an escape still incomplete (so that a custom call's input can stream as it comes)."""
-    start = _INPUT_KEY.match(arguments)
-    if start is None:
-        return ""
-    out: list[str] = []
-    i, end = start.end(), len(arguments)
-    while i < end:
-        ch = arguments[i]
-        if ch == '"':
-            break
-        if ch != "\\":
-            out.append(ch)
-            i += 1
-            continue
-        if i + 1 >= end:
-            break
-        kind = arguments[i + 1]
-        if kind == "u":
-            try:
-                code = int(arguments[i + 2 : i + 6], 16) if i + 6 <= end else -1
-                if 0xD800 <= code < 0xDC00:  # a surrogate pair: wait for its second half
-                    low = int(arguments[i + 8 : i + 12], 16) if i + 12 <= end else -1
-                    if low < 0:
-                        break
-                    out.append(chr(0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00)))
-                    i += 12
-                    continue
-            except ValueError:  # not JSON: custom_input() gives the raw arguments at the end
+class InputDecoder:
+    """A custom tool call's input as its JSON arguments arrive: :meth:`feed` each piece,
+    get the text it adds (so that the input streams as it comes). Linear in the input:
+    only an escape cut in two is held back between pieces."""
+
+    __slots__ = ("_done", "_pending", "_started")
+
+    def __init__(self) -> None:
+        self._pending = ""
+        self._started = False
+        self._done = False  # the closing quote, or arguments of another form
+
+    def feed(self, piece: str) -> str:
+        if self._done:
+            return ""
+        pending = self._pending + piece
+        if not self._started:
+            opening = _INPUT_KEY.match(pending)
+            if opening is None:
+                self._pending = pending
+                self._done = len(pending) > _MAX_OPENING
+                return ""
+            self._started = True
+            pending = pending[opening.end() :]
+        out: list[str] = []
+        i, end = 0, len(pending)
+        while i < end:
+            ch = pending[i]
+            if ch == '"':
+                self._done = True
                 break
-            if code < 0:
+            if ch != "\\":
+                j = i + 1
+                while j < end and pending[j] not in '"\\':
+                    j += 1
+                out.append(pending[i:j])
+                i = j
+                continue
+            decoded, used = _escape(pending, i)
+            if used == 0:  # cut in two: wait for the rest
                 break
-            out.append(chr(code))
-            i += 6
-            continue
-        out.append(_ESCAPES.get(kind, kind))
-        i += 2
-    return "".join(out)
+            out.append(decoded)
+            i += used
+        self._pending = "" if self._done else pending[i:]
+        return "".join(out)
+
+
+def _escape(text: str, i: int) -> tuple[str, int]:
+    """The escape at ``text[i]`` (a backslash): its text and length, or ("", 0) if it is
+    not whole yet (or not JSON: custom_input() gives the raw arguments at the end)."""
+    if i + 1 >= len(text):
+        return "", 0
+    kind = text[i + 1]
+    if kind != "u":
+        return _ESCAPES.get(kind, kind), 2
+    try:
+        if i + 6 > len(text):
+            return "", 0
+        code = int(text[i + 2 : i + 6], 16)
+        if 0xD800 <= code < 0xDC00:  # a surrogate pair: wait for its second half
+            if i + 12 > len(text):
+                return "", 0
+            low = int(text[i + 8 : i + 12], 16)
+            return chr(0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00)), 12
+        return chr(code), 6
+    except ValueError:
+        return "", 0

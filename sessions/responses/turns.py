@@ -35,6 +35,8 @@ class Turn:
     tools: tuple[Tool, ...]
     tool_choice: ToolChoice
     steers: list[tuple[str, rp.Steer]] = field(default_factory=list)  # accepted, queued
+    # A custom tool call's input so far, by its item id (its deltas stream from this).
+    inputs: dict[str, rtools.InputDecoder] = field(default_factory=dict)
 
 
 @dataclass(eq=False, slots=True)
@@ -180,9 +182,10 @@ def call_delta(turn: Turn, call: CallState, arguments: str) -> codec.JSON | None
             "output_index": call.output_index,
             "delta": arguments,
         }
-    so_far = call.arguments
-    before = len(rtools.partial_input(so_far[: len(so_far) - len(arguments)]))
-    added = rtools.partial_input(so_far)[before:]
+    decoder = turn.inputs.get(call.item_id)
+    if decoder is None:
+        decoder = turn.inputs[call.item_id] = rtools.InputDecoder()
+    added = decoder.feed(arguments)
     if not added:
         return None
     return {
