@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib.util
 import logging
 import re
@@ -124,6 +125,22 @@ async def test_answers_a_factual_question(engine: LlamaCppEngine, driver: Engine
     assert done.reason == "stop"
     assert done.usage.input_tokens > 10
     assert done.usage.output_tokens >= len(deltas) > 1  # streamed, not one lump
+
+
+async def test_a_continuation_goes_on_from_the_answer_so_far(driver: EngineDriver) -> None:
+    """What a takeover asks: the prompt and the text already sent; llama.cpp prefills the
+    open assistant turn, so the deltas are only what follows, and the usage and the
+    budget are the whole answer's."""
+    story = Message("user", "Write a long story about a dragon who learns to bake bread.")
+    whole, done = await collect(driver, ask(SYSTEM, story, tokens=40))
+    text = "".join(whole)
+    cut = text.index(" ", len(text) // 3)  # a word boundary, a third of the way in
+    request = ask(SYSTEM, story, tokens=40, rid="again")
+    rest, again = await collect(driver, dataclasses.replace(request, continuation=text[:cut]))
+    assert text[:cut] + "".join(rest) == text
+    assert again.reason == done.reason == "length"
+    assert abs(again.usage.output_tokens - done.usage.output_tokens) <= 1
+    assert abs(again.usage.input_tokens - done.usage.input_tokens) <= 1
 
 
 async def test_token_budget_ends_with_length(engine: LlamaCppEngine, driver: EngineDriver) -> None:

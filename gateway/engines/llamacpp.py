@@ -334,6 +334,10 @@ class _LoopbackApi:
         body = {"content": prompt, "add_special": True, "parse_special": True}
         return len(self.post("/tokenize", body)["tokens"])
 
+    def count_text(self, text: str) -> int:
+        """Tokens of ``text`` alone (an answer so far)."""
+        return len(self.post("/tokenize", {"content": text, "add_special": False})["tokens"])
+
 
 class SlotTable:
     """Which llama.cpp slot each conversation used last, and which slots are busy.
@@ -393,6 +397,7 @@ class _Generation:
     prompt_reported: bool = False
     stopped: bool = False  # the callback stopped llama.cpp because of ``cancelled``
     failure: BaseException | None = None  # what the callback raised (llama.cpp hides it)
+    continued: int = 0  # tokens of the continuation (the answer so far, before a takeover)
 
 
 class LlamaCppEngine(Engine):
@@ -401,6 +406,10 @@ class LlamaCppEngine(Engine):
     name = "llamacpp"
     # SmolLM2 wanders without a system prompt: its template then inserts its own.
     default_instructions = "You are a helpful assistant."
+    # llama.cpp's server prefills a final assistant message: the chat template leaves that
+    # turn open with the text in it, and the answer goes on from there (a takeover's
+    # continuation, GenerationRequest.continuation: its deltas are only what follows).
+    can_continue = True
 
     def __init__(
         self,
@@ -590,6 +599,9 @@ class LlamaCppEngine(Engine):
         terminal: Output
         try:
             messages = self._fit(generation)
+            if generation.request.continuation and self._api is not None:
+                # The answer's budget and usage are the whole answer's, its first part too.
+                generation.continued = self._api.count_text(generation.request.continuation)
             generation.stopped = generation.cancelled.is_set()
             if not generation.stopped:
                 self._server.handle_chat_completions(self._body(generation, messages), callback)
@@ -631,7 +643,10 @@ class LlamaCppEngine(Engine):
                 return 0  # "fits": the caller sees the cancel and generates nothing
             return api.count_tokens(kept, tools)
 
-        messages, dropped = fit_to_context(request.messages, count, limit)
+        wanted = request.messages
+        if request.continuation:
+            wanted = (*wanted, Message("assistant", request.continuation))
+        messages, dropped = fit_to_context(wanted, count, limit)
         if dropped:
             log.info(
                 "llamacpp: request %s: dropped the %d oldest turns to fit %d of %d tokens",
@@ -656,8 +671,11 @@ class LlamaCppEngine(Engine):
             **tools_body(generation.request),
             **self.sampler.body(),
         }
+        budget = sampling.max_output_tokens
+        if budget is not None:
+            budget = max(1, budget - generation.continued)
         optional = {
-            "max_tokens": sampling.max_output_tokens,
+            "max_tokens": budget,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "seed": sampling.seed,
@@ -724,7 +742,11 @@ def _usage(generation: _Generation) -> Usage:
     cached = int(details.get("cached_tokens", timings.get("cache_n", 0)) or 0)
     prompt = usage.get("prompt_tokens", int(timings.get("prompt_n", 0)) + cached)
     completion = usage.get("completion_tokens", timings.get("predicted_n", 0))
-    return Usage(input_tokens=int(prompt), output_tokens=int(completion), cached_tokens=cached)
+    return Usage(
+        input_tokens=max(0, int(prompt) - generation.continued),  # the prefix is output
+        output_tokens=int(completion) + generation.continued,
+        cached_tokens=cached,
+    )
 
 
 def _error_from(error: dict[str, Any]) -> EngineError:

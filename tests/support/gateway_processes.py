@@ -20,11 +20,22 @@ TIMEOUT = 20.0
 
 
 class GatewayProcess:
-    """``python -m gateway --engine sim`` with a session store, on a free port."""
+    """``python -m gateway --engine sim`` (or ``engine``'s flags) with a session store, on a
+    free port."""
 
-    def __init__(self, store: str, *extra: str, step_ms: int = 20, tokens: int = 80) -> None:
-        argv = [sys.executable, "-m", "gateway", "--engine", "sim", "--port", "0"]
-        argv += ["--sim-step-ms", str(step_ms), "--sim-response-tokens", str(tokens)]
+    def __init__(
+        self,
+        store: str,
+        *extra: str,
+        step_ms: int = 20,
+        tokens: int = 80,
+        engine: tuple[str, ...] | None = None,
+    ) -> None:
+        argv = [sys.executable, "-m", "gateway", "--port", "0"]
+        if engine is None:
+            engine = ("--engine", "sim", "--sim-step-ms", str(step_ms))
+            engine += ("--sim-response-tokens", str(tokens))
+        argv += engine
         argv += ["--session-store", store, *extra]
         self.process = subprocess.Popen(
             argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
