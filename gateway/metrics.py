@@ -207,6 +207,10 @@ class Metrics:
             "WebSocket handshakes refused, by HTTP status.",
             ["status"],
         )
+        self.upstream_moves = self._counter(
+            "gateway_upstream_moves_total",
+            "Answers moved to another upstream replica mid-stream (its text so far continued).",
+        )
         self.websocket_connections = self._counter(
             "gateway_websocket_connections_total",
             "WebSocket connections accepted, by API (realtime, responses).",

@@ -125,6 +125,7 @@ class Gateway:
         # Set when the engine fails for good (Engine._fail); the CLI then stops and exits.
         self.engine_failed = asyncio.Event()
         engine.on_failure = lambda _reason: self.engine_failed.set()
+        engine.on_moved = self.metrics.upstream_moves.inc
 
     @property
     def sessions(self) -> ValuesView[Session]:

@@ -47,7 +47,11 @@ def servers() -> Iterator[list[LlamaServer]]:
 
 @contextlib.asynccontextmanager
 async def gateway_on(urls: list[str], **engine_args: Any) -> AsyncIterator[RunningGateway]:
-    engine = UpstreamEngine(urls, health_interval=engine_args.pop("health_interval", 0.2))
+    engine = UpstreamEngine(
+        urls,
+        health_interval=engine_args.pop("health_interval", 0.2),
+        continuation=engine_args.pop("continuation", "auto"),
+    )
     async with running_gateway(engine, max_running=4, **engine_args) as gw:
         yield gw
 
@@ -303,7 +307,11 @@ async def test_back_to_back_answers_from_a_server_that_closes_after_each_stream(
 async def test_failure_after_first_token_fails_only_that_response(
     servers: list[LlamaServer],
 ) -> None:
-    async with CuttingProxy(servers[1].url) as proxy, gateway_on([proxy.url, servers[0].url]) as gw:
+    """With replicas that cannot continue an answer (--upstream-continuation none)."""
+    async with (
+        CuttingProxy(servers[1].url) as proxy,
+        gateway_on([proxy.url, servers[0].url], continuation="none") as gw,
+    ):
         proxy.cut_after = 900  # the role chunk and a few tokens (a story goes on far longer)
         async with RawClient.connect(gw.ws_url) as c:
             await c.say(STORY)
@@ -738,3 +746,29 @@ async def test_chat_completions_stream_through_the_upstream_pool(
                 model="default", messages=question, max_tokens=16, temperature=0
             )
             assert whole.choices[0].message.content == text
+
+
+async def test_a_replica_failing_mid_answer_is_continued_on_another(
+    servers: list[LlamaServer],
+) -> None:
+    """llama.cpp servers continue a final assistant message: the pool moves the answer,
+    the client sees one answer, nothing lost or repeated, and the metric counts it."""
+    async with (
+        CuttingProxy(servers[1].url) as proxy,
+        gateway_on([proxy.url, servers[0].url]) as gw,
+    ):
+        proxy.cut_after = 900
+        async with RawClient.connect(gw.ws_url) as c:
+            await c.say(STORY)
+            moved = await c.respond(max_output_tokens=32, temperature=0)
+            assert proxy.cuts == 1
+            assert moved.status in ("completed", "incomplete"), moved.response
+            assert moved.text == moved.final_text
+            assert moved.response["usage"]["output_tokens"] >= 30
+        _, metrics = await gw.get("/metrics")
+        assert b"gateway_upstream_moves_total 1" in metrics
+        # The same answer an unbroken replica gives (greedy): continued, not spliced.
+        async with RawClient.connect(gw.ws_url) as fresh:
+            await fresh.say(STORY)
+            reference = await fresh.respond(max_output_tokens=32, temperature=0)
+        assert moved.text == reference.text

@@ -223,6 +223,9 @@ class Engine(abc.ABC):
         """True once :meth:`start` has finished loading; ``/readyz`` reports it."""
         return self._ready
 
+    on_moved: Callable[[], None] | None = None
+    """Called when an answer moves to another replica mid-stream (engines with replicas)."""
+
     _failure: str | None = None
     on_failure: Callable[[str], None] | None = None
     """Called once, on the event loop, when the engine fails for good (see :meth:`_fail`)."""

@@ -33,7 +33,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -46,6 +46,7 @@ from gateway.engines.base import (
     Finished,
     FinishReason,
     GenerationRequest,
+    Message,
     StreamEvent,
     StreamingEngine,
     TextDelta,
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_SLOTS = 16
+DEFAULT_MAX_MOVES = 2  # an answer's moves to another replica after its first token
 DEFAULT_HEALTH_INTERVAL = 2.0
 MAX_BACKOFF = 30.0
 PROBE_TIMEOUT = 2.0
@@ -82,6 +84,10 @@ class Replica:
     next_probe: float = 0.0
     health_path: str = "/health"
     served: int = 0  # generations sent here (attempts, retried ones included)
+    # How it continues a final assistant message (an answer so far): "prefill" (llama.cpp's
+    # server does so by itself), "continue_final_message" (vLLM's and SGLang's flags), or
+    # "none" (it would answer anew: such a replica is not given a continuation).
+    continuation: str = "none"
 
     @property
     def load(self) -> float:
@@ -149,6 +155,8 @@ class UpstreamEngine(StreamingEngine):
         slots: int = DEFAULT_SLOTS,
         health_interval: float = DEFAULT_HEALTH_INTERVAL,
         read_timeout: float = 120.0,
+        continuation: str = "auto",
+        max_moves: int = DEFAULT_MAX_MOVES,
     ) -> None:
         if not urls:
             raise EngineUnavailableError("the upstream engine needs at least one --upstream URL")
@@ -161,7 +169,13 @@ class UpstreamEngine(StreamingEngine):
         self.api_key = api_key
         self.health_interval = health_interval
         self.read_timeout = read_timeout
+        self.continuation = continuation  # "auto": what /props says (llama.cpp: prefill)
+        self.max_moves = max_moves  # an answer moves to another replica at most this often
+        self.moves = 0
         self.replicas = [Replica(_base_url(url), slots) for url in urls]
+        if continuation != "auto":
+            for replica in self.replicas:
+                replica.continuation = continuation
         self.router = Router(self.replicas)
         self._health_task: asyncio.Task[None] | None = None
 
@@ -281,6 +295,8 @@ class UpstreamEngine(StreamingEngine):
         slots = _json_field(props, "total_slots")
         if isinstance(slots, int) and slots > 0:
             replica.slots = slots
+            if self.continuation == "auto":
+                replica.continuation = "prefill"  # llama.cpp's server: its /props says so
         if self.model is None:
             models = _json_field(await _get(replica.client, "/v1/models"))
             data = models.get("data") if isinstance(models, dict) else None
@@ -297,19 +313,45 @@ class UpstreamEngine(StreamingEngine):
 
     # -- generation --------------------------------------------------------------
 
+    @property
+    def can_continue(self) -> bool:  # type: ignore[override]
+        """Whether a takeover's continuation can go to some replica of the pool."""
+        return any(r.continuation != "none" for r in self.replicas)
+
     async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
+        """One answer on the pool: retried on another replica when one fails before its
+        first token; after it, continued on another replica that can continue a final
+        assistant message (the text so far as its prefix, at most ``max_moves`` times),
+        so that the client sees one answer; else it fails with ``upstream_failed``."""
         tried: list[Replica] = []
         self._check_ready()
-        while (replica := self.router.choose(request.affinity_key, tried)) is not None:
+        prefix, earlier_tokens, moves = request.continuation, 0, 0
+        while (replica := self._choose(request, tried, prefix)) is not None:
             tried.append(replica)
             sent_text = False
             replica.outstanding += 1
             replica.served += 1
+            attempt = replace(request, continuation=prefix)
+            tokens = 0
             try:
                 # aclosing: if our consumer is cancelled or closes us, the inner
                 # generator (and with it the HTTP response) is closed right now.
-                async with contextlib.aclosing(self._generate(replica, request)) as events:
+                async with contextlib.aclosing(
+                    self._generate(replica, attempt, earlier_tokens)
+                ) as events:
                     async for event in events:
+                        if isinstance(event, TextDelta):
+                            prefix += event.text
+                            tokens += event.tokens
+                        elif isinstance(event, Finished) and earlier_tokens:
+                            # The usage of the whole answer, its earlier parts too.
+                            usage = event.usage
+                            event = replace(
+                                event,
+                                usage=replace(
+                                    usage, output_tokens=usage.output_tokens + earlier_tokens
+                                ),
+                            )
                         sent_text = sent_text or not isinstance(event, Finished)
                         yield event
                 return
@@ -319,21 +361,46 @@ class UpstreamEngine(StreamingEngine):
                 self._check_ready(exc)
                 if exc.down:
                     self._mark_down(replica, exc.reason)
+                earlier_tokens += tokens
                 if sent_text:
-                    # The client holds part of this answer: another replica would
-                    # start over, so the text would be duplicated or spliced.
-                    log.warning("upstream %s failed mid-answer: %s", replica.url, exc.reason)
-                    raise EngineError(
-                        "upstream_failed",
-                        "the upstream server failed mid-answer; the text so far is kept, "
-                        "ask again to retry",
-                    ) from exc
+                    movable = moves < self.max_moves and any(
+                        r.healthy and r.continuation != "none" and r not in tried
+                        for r in self.replicas
+                    )
+                    if not movable:
+                        # The client holds part of this answer, and no replica can go on
+                        # from it (another would start over: duplicated or spliced text).
+                        log.warning("upstream %s failed mid-answer: %s", replica.url, exc.reason)
+                        raise EngineError(
+                            "upstream_failed",
+                            "the upstream server failed mid-answer; the text so far is kept, "
+                            "ask again to retry",
+                        ) from exc
+                    moves += 1
+                    self.moves += 1
+                    if self.on_moved is not None:
+                        self.on_moved()
+                    log.warning(
+                        "upstream %s failed mid-answer (%s): continuing on another replica",
+                        replica.url,
+                        exc.reason,
+                    )
+                    continue
                 # Replica addresses go to the log, not to the client.
                 log.warning("upstream %s failed before the first token (%s)", replica.url, exc)
             finally:
                 replica.outstanding -= 1
         detail = f"{len(tried)} tried, all failed" if tried else "none is healthy"
         raise EngineError("upstream_unavailable", f"no upstream server could answer ({detail})")
+
+    def _choose(
+        self, request: GenerationRequest, tried: list[Replica], prefix: str
+    ) -> Replica | None:
+        """The next replica; one that can continue when there is text to continue."""
+        if not prefix:
+            return self.router.choose(request.affinity_key, tried)
+        cannot = [r for r in self.replicas if r.continuation == "none"]
+        return self.router.choose(request.affinity_key, [*tried, *cannot])
 
     def _check_ready(self, cause: Exception | None = None) -> None:
         """Before the first attempt and each retry: not started, or close() began."""
@@ -343,7 +410,7 @@ class UpstreamEngine(StreamingEngine):
             ) from cause
 
     async def _generate(
-        self, replica: Replica, request: GenerationRequest
+        self, replica: Replica, request: GenerationRequest, earlier_tokens: int = 0
     ) -> AsyncGenerator[StreamEvent, None]:
         """One attempt on one replica; transport trouble becomes :class:`_ReplicaFailed`."""
         import httpx
@@ -356,7 +423,7 @@ class UpstreamEngine(StreamingEngine):
         post = client.build_request(
             "POST",
             COMPLETIONS_PATH,
-            content=orjson.dumps(self._body(replica, request)),
+            content=orjson.dumps(self._body(replica, request, earlier_tokens)),
             headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
         )
         try:
@@ -371,18 +438,29 @@ class UpstreamEngine(StreamingEngine):
         except httpx.HTTPError as exc:
             raise _ReplicaFailed(_describe_error(exc)) from exc
 
-    def _body(self, replica: Replica, request: GenerationRequest) -> dict[str, Any]:
+    def _body(
+        self, replica: Replica, request: GenerationRequest, earlier_tokens: int = 0
+    ) -> dict[str, Any]:
         s = request.sampling
+        messages = request.messages
+        if request.continuation:  # the answer so far, as an open final assistant message
+            messages = (*messages, Message("assistant", request.continuation))
         body: dict[str, Any] = {
-            "messages": chat_messages(request.messages),
+            "messages": chat_messages(messages),
             "stream": True,
             "stream_options": {"include_usage": True},
             **tools_body(request),
         }
+        if request.continuation and replica.continuation == "continue_final_message":
+            body["continue_final_message"] = True
+            body["add_generation_prompt"] = False
         model = self.model or replica.model
+        budget = s.max_output_tokens
+        if budget is not None and earlier_tokens:
+            budget = max(1, budget - earlier_tokens)  # the whole answer's budget
         optional = {
             "model": model,
-            "max_tokens": s.max_output_tokens,
+            "max_tokens": budget,
             "temperature": s.temperature,
             "top_p": s.top_p,
             "seed": s.seed,
@@ -614,6 +692,13 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         help="concurrent generations per replica when it does not report its slots",
     )
     group.add_argument(
+        "--upstream-continuation",
+        choices=("auto", "prefill", "continue_final_message", "none"),
+        default="auto",
+        metavar="HOW",
+        help="how replicas continue an answer (auto: llama.cpp's prefill)",
+    )
+    group.add_argument(
         "--upstream-health-interval",
         type=float,
         default=DEFAULT_HEALTH_INTERVAL,
@@ -635,4 +720,5 @@ def from_args(args: argparse.Namespace) -> UpstreamEngine:
         api_key=args.upstream_api_key,
         slots=args.upstream_slots,
         health_interval=args.upstream_health_interval,
+        continuation=args.upstream_continuation,
     )
