@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import re
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -51,6 +52,7 @@ async def gateway_on(urls: list[str], **engine_args: Any) -> AsyncIterator[Runni
         urls,
         health_interval=engine_args.pop("health_interval", 0.2),
         continuation=engine_args.pop("continuation", "auto"),
+        affinity_header=engine_args.pop("affinity_header", None),
     )
     async with running_gateway(engine, max_running=4, **engine_args) as gw:
         yield gw
@@ -226,6 +228,7 @@ class CuttingProxy:
         self.cut_after: int | None = None
         self.cuts = 0
         self.accepted = 0  # connections the gateway opened
+        self.sent = bytearray()  # every byte the gateway sent upstream through it
         self._server: asyncio.Server | None = None
 
     @property
@@ -259,6 +262,7 @@ class CuttingProxy:
 
     async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
         while data := await src.read(65536):
+            self.sent += data
             dst.write(data)
             await dst.drain()
 
@@ -772,3 +776,21 @@ async def test_a_replica_failing_mid_answer_is_continued_on_another(
             await fresh.say(STORY)
             reference = await fresh.respond(max_output_tokens=32, temperature=0)
         assert moved.text == reference.text
+
+
+async def test_the_affinity_header_names_each_conversation_upstream(
+    servers: list[LlamaServer],
+) -> None:
+    """For a distributed engine's own router behind one URL: one opaque, stable id per
+    conversation, in the header the flag names."""
+    async with (
+        CuttingProxy(servers[0].url) as proxy,
+        gateway_on([proxy.url], affinity_header="x-session-affinity") as gw,
+    ):
+        for _ in range(2):
+            async with RawClient.connect(gw.ws_url) as c:
+                for question in (QUESTION, "And of Italy?"):
+                    await c.say(question)
+                    await c.respond(max_output_tokens=4)
+        ids = re.findall(rb"x-session-affinity: ([0-9a-f]+)\r\n", bytes(proxy.sent))
+        assert len(ids) == 4 and ids[0] == ids[1] != ids[2] == ids[3]

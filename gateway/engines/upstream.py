@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import importlib.util
 import logging
 import time
@@ -157,6 +158,7 @@ class UpstreamEngine(StreamingEngine):
         read_timeout: float = 120.0,
         continuation: str = "auto",
         max_moves: int = DEFAULT_MAX_MOVES,
+        affinity_header: str | None = None,
     ) -> None:
         if not urls:
             raise EngineUnavailableError("the upstream engine needs at least one --upstream URL")
@@ -171,6 +173,9 @@ class UpstreamEngine(StreamingEngine):
         self.read_timeout = read_timeout
         self.continuation = continuation  # "auto": what /props says (llama.cpp: prefill)
         self.max_moves = max_moves  # an answer moves to another replica at most this often
+        # A header naming the conversation, for a distributed engine's own router behind
+        # one URL (Dynamo, llm-d, vllm-router, SGLang's router keep affinity themselves).
+        self.affinity_header = affinity_header
         self.moves = 0
         self.replicas = [Replica(_base_url(url), slots) for url in urls]
         if continuation != "auto":
@@ -420,11 +425,14 @@ class UpstreamEngine(StreamingEngine):
             raise EngineError(
                 "engine_not_ready", "the upstream engine is not running (not started, or closing)"
             )
+        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        if self.affinity_header is not None and request.affinity_key is not None:
+            headers[self.affinity_header] = affinity_id(request.affinity_key)
         post = client.build_request(
             "POST",
             COMPLETIONS_PATH,
             content=orjson.dumps(self._body(replica, request, earlier_tokens)),
-            headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
+            headers=headers,
         )
         try:
             response = await _send(client, post, stream=True)
@@ -592,6 +600,12 @@ def _usage(raw: object) -> Usage | None:
     )
 
 
+def affinity_id(key: str) -> str:
+    """A conversation's affinity key as a header value: stable, opaque (it names no
+    tenant and holds no client text), ASCII."""
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
 def _error_message(body: bytes) -> str:
     try:
         parsed = orjson.loads(body)
@@ -699,6 +713,12 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         help="how replicas continue an answer (auto: llama.cpp's prefill)",
     )
     group.add_argument(
+        "--upstream-affinity-header",
+        default=None,
+        metavar="NAME",
+        help="send each conversation's id upstream in this header",
+    )
+    group.add_argument(
         "--upstream-health-interval",
         type=float,
         default=DEFAULT_HEALTH_INTERVAL,
@@ -721,4 +741,5 @@ def from_args(args: argparse.Namespace) -> UpstreamEngine:
         slots=args.upstream_slots,
         health_interval=args.upstream_health_interval,
         continuation=args.upstream_continuation,
+        affinity_header=args.upstream_affinity_header,
     )
