@@ -715,8 +715,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--upstream-affinity-header",
         default=None,
-        metavar="NAME",
-        help="send each conversation's id upstream in this header",
+        metavar="H",
+        help="header naming each conversation upstream",
     )
     group.add_argument(
         "--upstream-health-interval",
