@@ -207,3 +207,45 @@ async def test_with_two_tenants_one_cannot_fill_every_slot(engine: SimEngine) ->
         await done.wait_for(100)
     finally:
         await other.close()
+
+
+async def test_the_sims_continuation_is_the_rest_of_the_whole_answer() -> None:
+    """A takeover's continuation: the tokens after the text sent, with the whole answer's
+    usage and budget (it reported only its own part, and ran past max_output_tokens)."""
+    from gateway.engines.base import Finished, SamplingParams, TextDelta
+    from gateway.engines.driver import EngineDriver
+
+    sim = SimEngine(step_ms=0, response_tokens=300)
+    await sim.start()
+    try:
+        async with EngineDriver(sim) as driver:
+
+            async def answer(
+                continuation: str = "", budget: int | None = None
+            ) -> tuple[str, Finished]:
+                sampling = SamplingParams(max_output_tokens=budget)
+                request = GenerationRequest(
+                    "r", (Message("user", "story"),), sampling, continuation=continuation
+                )
+                text, end = "", None
+                async for event in driver.stream(request):
+                    if isinstance(event, TextDelta):
+                        text += event.text
+                    elif isinstance(event, Finished):
+                        end = event
+                assert end is not None
+                return text, end
+
+            whole, done = await answer()
+            cut = len(whole) // 3
+            prefix = whole[: whole.index(" ", cut)]
+            rest, again = await answer(prefix)
+            assert prefix + rest == whole
+            assert again.usage.output_tokens == done.usage.output_tokens == 300
+            short, limited = await answer(budget=100)
+            prefix = short[: short.index(" ", len(short) // 2)]
+            rest, cut_again = await answer(prefix, budget=100)
+            assert prefix + rest == short and cut_again.reason == limited.reason == "length"
+            assert cut_again.usage.output_tokens == 100
+    finally:
+        await sim.close()

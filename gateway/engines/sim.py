@@ -186,7 +186,7 @@ class _Stream:
     tokens: deque[str | ToolCallDelta]
     finish: FinishReason
     usage_in: int
-    generated: int = 0
+    generated: int = 0  # the whole answer's: a continuation starts at what was sent
     aborted: bool = False  # abort() asked: confirmed and dropped at the next step
 
 
@@ -288,11 +288,15 @@ class SimEngine(Engine):
                 render(messages), self.response_tokens
             )
             tokens = list(_cut_at_stop(text, request.sampling.stop))
-            if request.continuation:
-                tokens = _after(tokens, request.continuation)
-        if budget is not None and len(tokens) > budget:
-            tokens, finish = tokens[:budget], "length"
-        return _Stream(request.request_id, deque(tokens), finish, count_tokens(messages))
+        sent = 0  # tokens of the answer a stopped gateway already sent (a continuation)
+        if request.continuation and finish != "tool_calls":
+            rest = _after(tokens, request.continuation)
+            sent = len(tokens) - len(rest)
+            tokens = rest
+        # The budget and the usage are the whole answer's, what was sent before included.
+        if budget is not None and sent + len(tokens) > budget:
+            tokens, finish = tokens[: max(0, budget - sent)], "length"
+        return _Stream(request.request_id, deque(tokens), finish, count_tokens(messages), sent)
 
     async def _step_loop(self) -> None:
         # Steps fall due on a fixed clock, as on a GPU that computes whatever the
