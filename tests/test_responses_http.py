@@ -192,6 +192,32 @@ async def test_a_background_response_goes_on_without_its_connection() -> None:
         assert events[0]["sequence_number"] == 0 and events[-1]["type"] == "response.completed"
 
 
+async def test_a_background_response_made_without_stream_is_picked_up_after_any_event() -> None:
+    """``stream: false`` then ``GET ...?stream=true&starting_after=N``: the events after N
+    (it answered 400 resume_gap for every N >= 0, as if they had never been kept)."""
+    async with (
+        running_gateway(SimEngine(step_ms=2, response_tokens=40)) as gw,
+        httpx.AsyncClient(base_url=gw.http_url, timeout=10) as http,
+    ):
+        body = {"input": "go", "background": True, "stream": False}
+        started = (await http.post("/v1/responses", json=body)).json()
+        url = f"/v1/responses/{started['id']}"
+        async with asyncio.timeout(10):
+            while (await http.get(url)).json()["status"] == "in_progress":
+                await asyncio.sleep(0.02)
+        # Before any stream was read: from event 5 on.
+        early = sse_events((await http.get(f"{url}?stream=true&starting_after=5")).text)
+        assert early[0]["sequence_number"] == 6 and early[-1]["type"] == "response.completed"
+        whole = sse_events((await http.get(f"{url}?stream=true")).text)
+        assert [e["sequence_number"] for e in whole] == list(range(len(whole)))
+        for after in (0, 5, len(whole) - 2):
+            tail = await http.get(f"{url}?stream=true&starting_after={after}")
+            assert tail.status_code == 200, tail.text
+            events = sse_events(tail.text)
+            assert [e["sequence_number"] for e in events] == list(range(after + 1, len(whole)))
+        assert whole[-1]["type"] == "response.completed"
+
+
 async def test_input_items_lists_what_the_request_sent() -> None:
     async with (
         running_gateway(SimEngine(step_ms=1, response_tokens=3)) as gw,

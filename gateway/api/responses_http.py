@@ -85,6 +85,26 @@ class _Live:
         self.expiry: asyncio.TimerHandle | None = None
 
 
+class _Unread:
+    """The wire of a background response no client is reading: what the session sends
+    goes into its replay buffer (the outbox keeps every sent event there), nowhere else."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, frame: bytes) -> None:
+        """Dropped here: the outbox has kept it for a replay."""
+
+    async def write_later(self, frame: bytes) -> None:
+        """Never called: this wire is always writable."""
+
+    def close(self, code: int, reason: str) -> None:
+        """Nothing to close."""
+
+
+_UNREAD = _Unread()
+
+
 class ResponsesHttp:
     """The routes (see the module docstring); ``register`` puts them on a router."""
 
@@ -147,6 +167,10 @@ class ResponsesHttp:
             return
         if body.background:
             self._keep(started["id"], session, dialect, waiter)
+            if not body.stream:
+                # No client reads it now: its events still go, numbered, into the replay
+                # buffer, for a GET ...?stream=true&starting_after=N to pick up.
+                session.outbox.attach(_UNREAD)
         if body.stream:
             await self._stream(reply, session, -1, keep=body.background)
         elif body.background:
@@ -214,6 +238,8 @@ class ResponsesHttp:
             if not keep:
                 # Ends it in the engine within a step if it still runs (client gone).
                 session.close("disconnected")
+            elif not session.ending:
+                session.outbox.attach(_UNREAD)  # the rest, kept for the next GET
 
     # -- the routes of one response ------------------------------------------------------
 
