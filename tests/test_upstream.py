@@ -29,6 +29,7 @@ from tests.support import llama_server
 from tests.support.harness import RawClient, RunningGateway, running_gateway
 from tests.support.llama_server import LlamaServer
 from tests.support.responses_harness import ResponsesClient
+from tests.support.turn import Turn
 
 QUESTION = "What is the capital of France?"
 STORY = "Write a long story about a dragon who learns to bake bread."
@@ -738,9 +739,13 @@ async def test_chat_completions_stream_through_the_upstream_pool(
         async with client:
             question: Any = [{"role": "user", "content": STORY}]
             stream = await client.chat.completions.create(
-                model="default", messages=question, max_tokens=16, temperature=0,
-                stream=True, stream_options={"include_usage": True},
-            )  # fmt: skip
+                model="default",
+                messages=question,
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             chunks = [chunk async for chunk in stream]
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             finish = [c.choices[0].finish_reason for c in chunks if c.choices]
@@ -794,3 +799,51 @@ async def test_the_affinity_header_names_each_conversation_upstream(
                     await c.respond(max_output_tokens=4)
         ids = re.findall(rb"x-session-affinity: ([0-9a-f]+)\r\n", bytes(proxy.sent))
         assert len(ids) == 4 and ids[0] == ids[1] != ids[2] == ids[3]
+
+
+async def test_kill_9_of_a_replica_under_20_streaming_sessions_loses_no_answer(
+    servers: list[LlamaServer],
+) -> None:
+    """Issue 31's scenario with real servers: every answer completes, its text whole."""
+    doomed = await asyncio.to_thread(llama_server.start, slots=SLOTS)
+    try:
+        async with gateway_on([doomed.url, servers[0].url]) as gw:
+            engine = engine_of(gw)
+            deltas = 0
+            killed = asyncio.Event()
+
+            async def one(index: int) -> tuple[str, str, str]:
+                nonlocal deltas
+                async with RawClient.connect(gw.ws_url) as c:
+                    await c.say(f"{STORY} Chapter {index}.")
+                    await c.send(
+                        {
+                            "type": "response.create",
+                            "response": {"max_output_tokens": 24, "temperature": 0},
+                        }
+                    )
+                    turn = Turn()
+                    while True:
+                        event = await c.recv(timeout=60)
+                        turn.events.append(event)
+                        if event["type"] == "response.output_text.delta":
+                            deltas += 1
+                        if event["type"] == "response.done":
+                            break
+                    return turn.status, turn.text, turn.final_text
+
+            async def kill_mid_answer() -> None:
+                while deltas < 10 or engine.replicas[0].outstanding == 0:
+                    await asyncio.sleep(0.01)
+                await asyncio.to_thread(doomed.kill)
+                killed.set()
+
+            killer = asyncio.create_task(kill_mid_answer())
+            results = await asyncio.gather(*(one(i) for i in range(20)))
+            await killer
+            assert killed.is_set()
+            for status, text, final in results:
+                assert status in ("completed", "incomplete") and text == final != ""
+            assert engine.moves >= 1
+    finally:
+        doomed.kill()
