@@ -68,6 +68,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.tls
 	$(BIN)/python -m bench.store
 	$(BIN)/python -m bench.tenants
+	$(BIN)/python -m bench.failover
 
 # examples/notebook.ipynb in JupyterLab, on the project's own environment (its kernel is
 # $(VENV)'s Python). JupyterLab is installed into $(VENV) on first use. Start the gateway

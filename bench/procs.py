@@ -173,7 +173,7 @@ def bare_server_argv(*, step_ms: float, response_tokens: int, loop: str) -> list
     ]
 
 
-def sse_server_argv(*, response_tokens: int, loop: str) -> list[str]:
+def sse_server_argv(*, response_tokens: int, loop: str, token_ms: float = 0.0) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -182,6 +182,8 @@ def sse_server_argv(*, response_tokens: int, loop: str) -> list[str]:
         str(response_tokens),
         "--loop",
         loop,
+        "--token-ms",
+        str(token_ms),
     ]
 
 

@@ -59,7 +59,8 @@ _STREAM_HEAD = (
 
 
 class SseServer:
-    def __init__(self, response_tokens: int, slots: int) -> None:
+    def __init__(self, response_tokens: int, slots: int, token_s: float = 0.0) -> None:
+        self.token_s = token_s  # 0: a token per loop turn; else a token per token_s
         self.response_tokens = response_tokens
         self.slots = slots
         self.streams = 0
@@ -128,7 +129,7 @@ class SseServer:
         self.streams += 1
         try:
             for token in tokens:
-                await asyncio.sleep(0)  # every open stream gets its token this loop turn
+                await asyncio.sleep(self.token_s)  # 0: every stream's token this loop turn
                 if transport.is_closing():
                     return False  # the client closed the stream: the gateway's cancel
                 delta = b'"choices":[{"index":0,"delta":{"content":%b},"finish_reason":null}]}' % (
@@ -165,7 +166,7 @@ def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
 
 
 async def main(args: argparse.Namespace) -> None:
-    server = SseServer(args.response_tokens, args.slots)
+    server = SseServer(args.response_tokens, args.slots, args.token_ms / 1000)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -180,6 +181,9 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, default=8801)
     parser.add_argument("--response-tokens", type=int, default=300)
     parser.add_argument("--slots", type=int, default=4096, help="reported as /props total_slots")
+    parser.add_argument(
+        "--token-ms", type=float, default=0.0, help="time per token (0: as fast as it can)"
+    )
     parser.add_argument("--loop", choices=LOOPS, default=default_loop())
     arguments = parser.parse_args()
     raise_nofile()
