@@ -1,8 +1,8 @@
 """The Responses API's ``tools`` and ``tool_choice``: what a create body offers the model.
 
 Every tool type of openai-python's ``ToolParam`` union has an answer here
-(docs/protocol.md, "Tools"), walked by a test so that an SDK release with a new type fails
-until it is placed:
+(docs/protocol.md, "The create body"), walked by a test so that an SDK release with a
+new type fails until it is placed:
 
 - ``function``: served (the engines' own kind of tool).
 - ``namespace``: its function tools are offered to the model under one flat name each,
@@ -17,7 +17,7 @@ until it is placed:
   parameter, ``input`` (a ``grammar`` format goes in its description: no engine here
   constrains its output to a grammar, so it is not enforced); a call comes back as a
   ``custom_tool_call`` item whose input streams in ``response.custom_tool_call_input``
-  events, decoded from the arguments as they arrive (:func:`partial_input`).
+  events, decoded from the arguments as they arrive (:class:`InputDecoder`).
 """
 
 from __future__ import annotations
