@@ -85,6 +85,7 @@ class Replica:
     next_probe: float = 0.0
     health_path: str = "/health"
     served: int = 0  # generations sent here (attempts, retried ones included)
+    streaming: int = 0  # attempts here that have sent text and not yet ended
     # How it continues a final assistant message (an answer so far): "prefill" (llama.cpp's
     # server does so by itself), "continue_final_message" (vLLM's and SGLang's flags), or
     # "none" (it would answer anew: such a replica is not given a continuation).
@@ -337,7 +338,7 @@ class UpstreamEngine(StreamingEngine):
             replica.outstanding += 1
             replica.served += 1
             attempt = replace(request, continuation=prefix)
-            tokens = 0
+            tokens, streamed = 0, False
             try:
                 # aclosing: if our consumer is cancelled or closes us, the inner
                 # generator (and with it the HTTP response) is closed right now.
@@ -346,6 +347,9 @@ class UpstreamEngine(StreamingEngine):
                 ) as events:
                     async for event in events:
                         if isinstance(event, TextDelta):
+                            if not streamed:
+                                streamed = True
+                                replica.streaming += 1
                             prefix += event.text
                             tokens += event.tokens
                         elif isinstance(event, Finished) and earlier_tokens:
@@ -395,6 +399,8 @@ class UpstreamEngine(StreamingEngine):
                 log.warning("upstream %s failed before the first token (%s)", replica.url, exc)
             finally:
                 replica.outstanding -= 1
+                if streamed:
+                    replica.streaming -= 1
         detail = f"{len(tried)} tried, all failed" if tried else "none is healthy"
         raise EngineError("upstream_unavailable", f"no upstream server could answer ({detail})")
 
