@@ -109,8 +109,13 @@ class Scheduler:
         generation_timeout: float = 0.0,
         merge_deltas: bool = True,
         tenants: TenantBook | None = None,
+        write_batch: contextlib.AbstractContextManager[object] | None = None,
     ) -> None:
         self.engine = engine
+        # Open while a batch is fanned out (and while a session actor handles a command):
+        # what it writes to one socket leaves in one write as it closes (the server gives
+        # gateway/transport/coalesce.py's; none here: each write at once).
+        self.write_batch = write_batch or contextlib.nullcontext()
         self.max_running = max_running
         self.max_queued = max_queued
         self.metrics = metrics or Metrics()
@@ -282,7 +287,8 @@ class Scheduler:
         while True:
             batch = await outputs.get()
             try:
-                self._fan_out(batch)
+                with self.write_batch:
+                    self._fan_out(batch)
             except Exception:  # a bug here must not stop every stream for good
                 log.exception("scheduler: fan-out of %d outputs failed", len(batch))
 

@@ -37,6 +37,7 @@ from gateway.scheduler import Scheduler
 from gateway.session_table import SessionTable
 from gateway.tenants import KeyEntry
 from gateway.transport import tls
+from gateway.transport.coalesce import WriteBatch
 from gateway.transport.head_timers import Pending
 from gateway.transport.http1 import HttpService
 from gateway.transport.router import Router
@@ -59,6 +60,8 @@ class Gateway:
         self.config = config
         self.metrics = metrics or Metrics(config.worker)
         self.metrics.set_engine(engine.name)
+        # What one batch of work writes to a socket leaves in one write (coalesce.py).
+        self.write_batch = WriteBatch()
         self.scheduler = Scheduler(
             engine,
             max_running=engine.capacity if config.max_running is None else config.max_running,
@@ -66,6 +69,7 @@ class Gateway:
             metrics=self.metrics,
             generation_timeout=config.generation_timeout,
             merge_deltas=config.coalesce,
+            write_batch=self.write_batch,
         )
         self.table = SessionTable(
             config,
@@ -87,6 +91,7 @@ class Gateway:
                 process_id(config.node),
                 resume_window=config.resume_window,
                 metrics=self.metrics,
+                write_batch=self.write_batch,
             )
             self.persistence = Persistence(
                 self.store,
@@ -107,6 +112,7 @@ class Gateway:
             dialects,
             self.store,
             self.persistence,
+            self.write_batch,
         )
         self.responses_http = ResponsesHttp(
             config, self, self.table, self.admission, self.response_store, self.persistence
@@ -203,6 +209,7 @@ class Gateway:
             handshake_timeout=self.config.handshake_timeout,
             keepalive_timeout=self.config.keepalive_timeout,
             logger=log,
+            write_batch=self.write_batch,
         )
         if self.config.tls is not None:
             self._tls = tls.server_context(self.config.tls)

@@ -446,9 +446,10 @@ class Session:
         try:
             while self._closing is None or self._responses:
                 item = await self._inbox.get()
-                self._handle(item)
-                if self.on_change is not None:
-                    self.on_change(self)
+                with self.scheduler.write_batch:  # its events leave in one write
+                    self._handle(item)
+                    if self.on_change is not None:
+                        self.on_change(self)
         finally:
             # Normally a no-op; if the actor is cancelled or crashes, this is the
             # cleanup that frees its engine work.

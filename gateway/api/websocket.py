@@ -45,6 +45,7 @@ from gateway.config import GatewayConfig
 from gateway.metrics import Metrics
 from gateway.session_table import SessionTable
 from gateway.tenants import retry_after_header
+from gateway.transport.coalesce import WriteBatch
 from gateway.transport.head_timers import refusal
 from gateway.transport.wire import (
     NullWire,
@@ -74,8 +75,10 @@ class WebSocketEndpoint:
         dialects: DialectContext,
         store: RedisStore | None = None,
         persistence: Persistence | None = None,
+        write_batch: WriteBatch | None = None,
     ) -> None:
         self._config = config
+        self._write_batch = write_batch
         self._state = state
         self._table = table
         self._admission = admission
@@ -180,7 +183,7 @@ class WebSocketEndpoint:
             self._metrics.tenant_refused.labels(tenant=tenant, reason="session").inc()
             await close_socket(ws, 1013, "rate_limit_exceeded: the key's max_sessions")
             return
-        wire = SocketWire(ws, self._store)
+        wire = SocketWire(ws, self._store, self._write_batch)
         self._wires.add(wire)
         api = "realtime" if upgrade is None else "responses"
         self._metrics.websocket_connections.labels(api=api).inc()
@@ -233,7 +236,7 @@ class WebSocketEndpoint:
         if self._state.stopping:
             await close_socket(ws, 1001, "server shutting down")
             return
-        wire = SocketWire(ws, self._store)
+        wire = SocketWire(ws, self._store, self._write_batch)
         self._wires.add(wire)
         session: Session | None = None
         try:

@@ -45,6 +45,7 @@ from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import RedisError, ResponseError
 
 from gateway.metrics import Metrics
+from gateway.transport.coalesce import WriteBatch
 
 log = logging.getLogger(__name__)
 
@@ -212,8 +213,11 @@ class RedisStore:
         metrics: Metrics | None = None,
         lease_seconds: float = LEASE_SECONDS,
         max_buffer_bytes: int = 64 << 20,
+        write_batch: WriteBatch | None = None,
     ) -> None:
         self.url = url
+        # Open while a flush's callbacks release held frames: each socket's, in one write.
+        self._write_batch = write_batch or contextlib.nullcontext()
         self.process = process
         self.resume_window = resume_window
         self.lease_seconds = lease_seconds
@@ -445,10 +449,11 @@ class RedisStore:
         self._waiters = waiting
         held = self.metrics.store_hold_seconds if self.metrics is not None else None
         now = time.perf_counter()
-        for w in ready:
-            if held is not None and w.since:
-                held.observe(now - w.since)
-            w.callback()
+        with self._write_batch:
+            for w in ready:
+                if held is not None and w.since:
+                    held.observe(now - w.since)
+                w.callback()
 
     async def _writer(self, lane: _Lane) -> None:
         """A lane: flushes pipelined on a connection of its own (see :meth:`_pipeline`);

@@ -39,6 +39,7 @@ from websockets.asyncio.server import Server, ServerConnection
 from websockets.datastructures import Headers
 from websockets.server import ServerProtocol
 
+from gateway.transport.coalesce import CoalescedWrites, WriteBatch
 from gateway.transport.head_timers import Pending
 
 log = logging.getLogger(__name__)
@@ -104,10 +105,11 @@ class HttpReply:
     """
 
     __slots__ = (
-        "_chunked",
         "_connection",
+        "_gone",
         "_head_only",
         "_over",
+        "_streaming",
         "disconnected",
         "ended",
         "status",
@@ -117,7 +119,10 @@ class HttpReply:
         self._connection = connection
         self._head_only = head_only
         self._over = False  # the handler has returned: this reply may write no more
-        self._chunked = False  # h11 chose chunked framing for this response's body
+        # A chunked body (h11 chose chunked framing) under way to a client still there:
+        # a write is a chunk, at once (the per-token path: plain flags, no Event).
+        self._streaming = False
+        self._gone = False  # the client went away (``disconnected`` is set)
         self.status: int | None = None
         self.ended = False
         self.disconnected = asyncio.Event()
@@ -129,20 +134,20 @@ class HttpReply:
     @property
     def writable(self) -> bool:
         """Room in the transport: ``write`` will not just queue behind a slow client."""
-        return not self._connection.paused and not self.disconnected.is_set()
+        return not self._gone and not self._connection.paused
 
     def start(self, status: int, headers: Iterable[tuple[str, str]] = ()) -> None:
         """Send the status line and headers now (a stream's client sees it has begun)."""
         self._write(self._head(status, headers))
 
     def write(self, data: bytes) -> None:
-        if not data or self._head_only or self.disconnected.is_set():
-            return
-        if self._chunked:
+        if self._streaming and data:
             # A stream writes once per event (per token, over SSE): the chunk framing
             # h11 would make, without the trip through its state machine (it checks
             # nothing about chunks, and frames the last one at end()).
-            self._write(b"%x\r\n%b\r\n" % (len(data), data))
+            self._connection.transport_write(b"%x\r\n%b\r\n" % (len(data), data))
+            return
+        if not data or self._head_only or self._gone:
             return
         self._write(self._connection.emit(h11.Data(data=data)))
 
@@ -153,10 +158,20 @@ class HttpReply:
             raise ClientDisconnected
 
     def end(self) -> None:
-        if self.disconnected.is_set():
+        if self._gone:
             return
+        self._streaming = False
         self._write(self._connection.emit(h11.EndOfMessage()))
         self.ended = True
+
+    def gone(self) -> None:
+        """The client went away (the connection says so)."""
+        self._gone, self._streaming = True, False
+        self.disconnected.set()
+
+    def over(self) -> None:
+        """The handler returned: no more writes."""
+        self._over, self._streaming = True, False
 
     def send(
         self,
@@ -192,13 +207,14 @@ class HttpReply:
             h11.Response(status_code=status, headers=fields, reason=_reason(status))
         )
         self.status = status
-        self._chunked = b"transfer-encoding: chunked" in data.lower()
+        chunked = b"transfer-encoding: chunked" in data.lower()
+        self._streaming = chunked and not self._head_only and not self._gone
         return data
 
     def _write(self, data: bytes) -> None:
         if self._over:
             raise RuntimeError("this request's handler has returned")
-        if not self.disconnected.is_set():
+        if not self._gone:
             self._connection.transport_write(data)
 
 
@@ -224,6 +240,7 @@ class HttpConnection(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         self._transport: asyncio.Transport | None = None
+        self._writes: CoalescedWrites | None = None
         self._state: State = "head"
         self._first = True  # in Pending until the first request head is whole
         # The current request's bytes as received, until its head is whole: what a
@@ -250,6 +267,7 @@ class HttpConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
+        self._writes = CoalescedWrites(self._transport, self._service.write_batch)
         self._service.connections.add(self)
         self._arm(self._service.handshake_timeout)
         self._service.pending.add(self)  # may abort this one at once (limit, shutdown)
@@ -286,7 +304,7 @@ class HttpConnection(asyncio.Protocol):
         self._wake_drainers()
         reply, task = self._reply, self._task
         if reply is not None and not reply.disconnected.is_set():
-            reply.disconnected.set()
+            reply.gone()
         if task is not None and not task.done():
             task.cancel()  # the handler's own task: nothing of it outlives the client
 
@@ -315,8 +333,10 @@ class HttpConnection(asyncio.Protocol):
         return self._h11.send(event)
 
     def transport_write(self, data: bytes) -> None:
-        if self._transport is not None and self._state != "closed":
-            self._transport.write(data)
+        """Write ``data`` (held till the end of the batch of work this runs in, if any:
+        gateway/transport/coalesce.py)."""
+        if self._writes is not None and self._state != "closed":
+            self._writes.write(data)
 
     async def drained(self) -> None:
         # Woken by resume_writing or connection_lost (which a close is sure to reach:
@@ -456,7 +476,7 @@ class HttpConnection(asyncio.Protocol):
             elif not reply.ended:  # half a response went out: the client must see it cut short
                 self._close()
         finally:
-            reply._over = True
+            reply.over()
             self._reply = self._task = None
             self._next_cycle()
 
@@ -532,6 +552,8 @@ class HttpConnection(asyncio.Protocol):
     def _close(self) -> None:
         """Close once what was written has gone out; drop the connection if it cannot."""
         if self._state != "closed" and self._transport is not None:
+            if self._writes is not None:
+                self._writes.flush()  # what a batch still holds goes before the close
             self._state = "closed"
             self._transport.close()
             self._arm(CLOSE_SECONDS)
@@ -580,8 +602,10 @@ class HttpService:
         handshake_timeout: float,
         keepalive_timeout: float,
         logger: logging.Logger = log,
+        write_batch: WriteBatch | None = None,
     ) -> None:
         self.routes = routes
+        self.write_batch = write_batch  # the process's (see coalesce.py); None: no batching
         self._websocket_paths = frozenset(websocket_paths) | {p + "/" for p in websocket_paths}
         self.pending = pending
         self.handshake_timeout = handshake_timeout

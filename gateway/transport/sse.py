@@ -53,23 +53,24 @@ def chat_messages(include_usage: bool) -> Messages:
 class SseWire:
     """One SSE response as an outbox's wire (see the module docstring)."""
 
-    __slots__ = ("_messages", "_reply", "over")
+    __slots__ = ("_ended", "_messages", "_reply", "over")
 
     def __init__(self, reply: HttpReply, messages: Messages = responses_message) -> None:
         self._reply = reply
         self._messages = messages
         self.over = asyncio.Event()
+        self._ended = False  # ``over`` is set (a flag for the per-token path)
 
     def writable(self) -> bool:
-        return self._reply.writable and not self.over.is_set()
+        return not self._ended and self._reply.writable
 
     def write(self, frame: bytes) -> None:
-        if self.over.is_set():
+        if self._ended:
             return
         message, last = self._messages(frame)
         self._reply.write(message)
         if last:
-            self.over.set()
+            self._end()
 
     async def write_later(self, frame: bytes) -> None:
         with contextlib.suppress(ClientDisconnected):
@@ -79,4 +80,8 @@ class SseWire:
     def close(self, code: int, reason: str) -> None:
         """The outbox let go of this stream (the session ended, or another stream
         took it over): the handler ends the response."""
+        self._end()
+
+    def _end(self) -> None:
+        self._ended = True
         self.over.set()

@@ -1,8 +1,9 @@
 """The socket end of a session's outbox: a WebSocket connection the outbox writes to.
 
-Direct writes when the transport has room (websockets' sans-I/O protocol, no task and
-no await), ``send`` when it pushes back, the stall probe that tells a client that stopped
-reading, and a close that cannot hang on a client that reads nothing.
+Direct writes when the transport has room (no task and no await; the frames of one batch
+of work joined into one transport write, gateway/transport/coalesce.py), ``send`` when it
+pushes back, the stall probe that tells a client that stopped reading, and a close that
+cannot hang on a client that reads nothing.
 """
 
 from __future__ import annotations
@@ -10,14 +11,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import struct
 from collections.abc import Callable
 from typing import Protocol
 
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
-from websockets.exceptions import ConnectionClosed, InvalidState
+from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request
 from websockets.protocol import State
+
+from gateway.transport.coalesce import CoalescedWrites, WriteBatch
 
 CLOSE_TIMEOUT = 2.0
 KERNEL_SEND_BUFFER = 64 << 10  # per connection (Linux doubles it for bookkeeping)
@@ -46,12 +50,13 @@ MAX_HELD = 256  # frames held for the store's flush before the outbox is told to
 class SocketWire:
     """The socket end of a session's outbox.
 
-    When the transport has room, a frame goes through websockets' sans-I/O
-    protocol straight to the transport, on the caller's stack: no task, no await.
-    That is what ``ServerConnection.send`` does too, minus its context manager and
-    coroutine; the outbox guarantees the one-writer rule ``send`` would otherwise
-    enforce. When the transport pushes back, the outbox's writer task uses
-    ``send`` itself, which waits for room.
+    When the transport has room, a frame goes straight to the transport, on the
+    caller's stack: no task, no await. It is framed here, as websockets' sans-I/O
+    protocol would frame it for a server (a final text frame, unmasked: the
+    connection negotiates no extension), without building a ``Frame`` per token, and
+    only while that protocol is open. The outbox guarantees the one-writer rule
+    ``send`` would otherwise enforce. When the transport pushes back, the outbox's
+    writer task uses ``send`` itself, which waits for room.
     """
 
     __slots__ = (
@@ -67,12 +72,16 @@ class SocketWire:
         "_protocol",
         "_released",
         "_sent_bytes",
+        "_writes",
         "_ws",
         "session_id",
     )
 
-    def __init__(self, ws: ServerConnection, hold: Hold | None = None) -> None:
+    def __init__(
+        self, ws: ServerConnection, hold: Hold | None = None, batch: WriteBatch | None = None
+    ) -> None:
         self._ws = ws
+        self._writes = CoalescedWrites(ws.transport, batch)
         self._hold = hold
         self._held: list[bytes] = []
         # Held frames leave in groups, each once the flushes it needs are written: frames
@@ -127,29 +136,28 @@ class SocketWire:
         self._release(group[0])
 
     def _release(self, upto: int | None = None) -> None:
-        """The held frames (up to the ``upto``-th ever held), framed one by one but written
-        to the transport at once."""
+        """The held frames (up to the ``upto``-th ever held), in one write."""
         count = (self._held_upto if upto is None else upto) - self._released
         if count <= 0:
             return
         held = self._held[:count]
         del self._held[:count]
         self._released += count
-        try:
-            for frame in held:
-                self._protocol.send_text(frame)
-                self._sent_bytes += len(frame)
-        except InvalidState:  # closing or gone: the frames stay in the replay buffer only
-            return
-        self._ws.send_data()
+        if self._protocol.state is not State.OPEN:
+            return  # closing or gone: the frames stay in the replay buffer only
+        parts: list[bytes] = []
+        for frame in held:
+            parts += (text_frame_header(len(frame)), frame)
+            self._sent_bytes += len(frame)
+        self._writes.write(b"".join(parts))
 
     def _send(self, frame: bytes) -> None:
-        try:
-            self._protocol.send_text(frame)
-        except InvalidState:  # closing or gone: the frame stays in the replay buffer only
-            return
-        self._ws.send_data()
-        self._sent_bytes += len(frame)
+        if self._protocol.state is not State.OPEN:
+            return  # closing or gone: the frame stays in the replay buffer only
+        size = len(frame)
+        header = _SHORT_HEADERS[size] if size < 126 else text_frame_header(size)
+        self._writes.write(header + frame)
+        self._sent_bytes += size
 
     async def write_later(self, frame: bytes) -> None:
         hold = self._hold
@@ -207,6 +215,19 @@ class SocketWire:
         """Until the close this wire started (if any) is done."""
         if self._close_task is not None:
             await asyncio.shield(self._close_task)
+
+
+_SHORT_HEADERS = [bytes((0x81, size)) for size in range(126)]
+
+
+def text_frame_header(size: int) -> bytes:
+    """The header of a server's final, unmasked text frame of ``size`` bytes (RFC 6455
+    5.2: the length in 7 bits, or 126 and 16 bits, or 127 and 64 bits)."""
+    if size < 126:
+        return _SHORT_HEADERS[size]
+    if size < 1 << 16:
+        return struct.pack("!BBH", 0x81, 126, size)
+    return struct.pack("!BBQ", 0x81, 127, size)
 
 
 class NullWire:
