@@ -205,8 +205,22 @@ def fastapi_server_argv(
     ]
 
 
+def floor_sse_server_argv(*, step_ms: float, response_tokens: int, loop: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "bench.baselines.floor_sse_server",
+        "--step-ms",
+        str(step_ms),
+        "--response-tokens",
+        str(response_tokens),
+        "--loop",
+        loop,
+    ]
+
+
 def httptools_installed() -> bool:
-    """Whether uvicorn's httptools parser is there (uvicorn[standard]; not in the extra)."""
+    """Whether uvicorn's httptools parser is there (the bench extra installs it)."""
     import importlib.util
 
     return importlib.util.find_spec("httptools") is not None

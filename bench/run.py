@@ -55,10 +55,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bench import other_tree
 from bench.loadgen import LoadResult, Target, Workload, raise_nofile, run_load
 from bench.procs import (
     bare_server_argv,
     fastapi_server_argv,
+    floor_sse_server_argv,
     gateway_argv,
     httptools_installed,
     rss_bytes,
@@ -86,6 +88,8 @@ class Engine:
 SYSTEMS = {
     "engine": "bare engine (in-process, no network)",
     "bare": "bare websockets server (ceiling)",
+    "floor": "bare websockets server --floor: frames by transport.write alone",
+    "floor-sse": "bench/baselines/floor_sse_server.py: SSE events by transport.write alone",
     "gateway": "gateway",
     "gateway-nc": "gateway --no-coalesce",
     "upstream": "gateway --engine upstream, in front of bench/sse_server.py",
@@ -152,10 +156,20 @@ def serving(system: str, engine: Engine, loop: str) -> Iterator[Serving]:
             http: Target = ("chat" if name.endswith("-chat") else "http", server.http_url)
             yield Serving(http, server.pid, workers=2, loop=loop, http_get=server.get)
         return
-    if name == "bare":
+    if name == "floor-sse":
+        argv = floor_sse_server_argv(
+            step_ms=engine.step_ms, response_tokens=engine.response_tokens, loop=loop
+        )
+        with server_process(argv) as server:
+            yield Serving(("http", server.http_url), server.pid, workers=2, loop=loop)
+        return
+    # NAME+REV: the gateway system NAME, run from commit REV's sources (an A/B).
+    name, _, rev = name.partition("+")
+    if name in ("bare", "floor"):
         argv = bare_server_argv(
             step_ms=engine.step_ms, response_tokens=engine.response_tokens, loop=loop
         )
+        argv += ["--floor"] if name == "floor" else []
     else:
         argv = gateway_argv(
             step_ms=engine.step_ms,
@@ -164,6 +178,7 @@ def serving(system: str, engine: Engine, loop: str) -> Iterator[Serving]:
             coalesce=name != "gateway-nc",
             loop=loop,
         )
+        argv = other_tree.gateway_argv(rev, argv) if rev else argv
     with server_process(argv) as server:
         target: Target = ("ws", server.ws_url)
         if name == "responses":

@@ -26,12 +26,14 @@ import os
 import random
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
 
+from bench import other_tree
 from bench.procs import gateway_argv, server_process
 from bench.stats import dist
 from bench.turns import measure, realtime_turns, redis_url, summary
@@ -131,19 +133,22 @@ CPU_SYSTEMS = {
 }
 
 
-def cpu(rounds: int, seconds: float, sessions: int) -> dict[str, Any]:
+def cpu(rounds: int, seconds: float, sessions: int, revs: Sequence[str] = ()) -> dict[str, Any]:
     """One token per frame, the sim flat out (``--sim-step-ms 0``): the gateway's CPU per
     token (/proc) and its tokens per second (saturated: the sim waits for nothing), each
-    system in turn, the order rotated every round."""
+    system in turn, the order rotated every round; each ``revs`` commit's memory and
+    Redis stores too (NAME+REV)."""
     rows: dict[str, dict[str, list[float]]] = {}
-    names = list(CPU_SYSTEMS)
+    names = list(CPU_SYSTEMS) + [f"{n}+{rev}" for rev in revs for n in ("memory", "redis")]
     with redis_url() as store:
         assert store is not None, "needs redis-server"
         for r in range(rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                flags = CPU_SYSTEMS[name]
+                system, _, rev = name.partition("+")
+                flags = CPU_SYSTEMS[system]
                 extra = ["--session-store", store] if flags is None else flags
                 argv = gateway_argv(loop="uvloop", step_ms=0, response_tokens=300, extra=extra)
+                argv = other_tree.gateway_argv(rev, argv) if rev else argv
                 with server_process(argv) as s:
                     clients = [
                         lambda stop, n, url=s.ws_url: realtime_turns(url, stop, n)
@@ -154,16 +159,22 @@ def cpu(rounds: int, seconds: float, sessions: int) -> dict[str, Any]:
                 row["tokens_per_s"].append(rate)
                 print(f"cpu {name:18} {us:6.1f} us/token {rate:8.0f} tokens/s", flush=True)
     out: dict[str, Any] = {k: {m: summary(v) for m, v in row.items()} for k, row in rows.items()}
-    for base in ("memory", "memory, resume off"):
+    pairs = [("redis", "memory"), ("redis", "memory, resume off")]
+    pairs += [(f"redis+{rev}", f"memory+{rev}") for rev in revs]
+    for redis_name, base in pairs:
         us = [
             b / a
-            for a, b in zip(rows[base]["us_per_token"], rows["redis"]["us_per_token"], strict=True)
+            for a, b in zip(
+                rows[base]["us_per_token"], rows[redis_name]["us_per_token"], strict=True
+            )
         ]
         rate = [
             b / a
-            for a, b in zip(rows[base]["tokens_per_s"], rows["redis"]["tokens_per_s"], strict=True)
+            for a, b in zip(
+                rows[base]["tokens_per_s"], rows[redis_name]["tokens_per_s"], strict=True
+            )
         ]
-        out[f"redis/{base}"] = {"us_per_token": summary(us), "tokens_per_s": summary(rate)}
+        out[f"{redis_name}/{base}"] = {"us_per_token": summary(us), "tokens_per_s": summary(rate)}
     return out
 
 
@@ -282,16 +293,19 @@ def report(results: dict[str, Any]) -> str:
             "| system | gateway CPU µs per token | tokens/s (saturated) |",
             "|---|---|---|",
         ]
-        for name in CPU_SYSTEMS:
-            row = c[name]
+        for name, row in c.items():
+            if "/" in name:
+                continue
             lines.append(
                 f"| {name} | {_span(row['us_per_token'])} | {_span(row['tokens_per_s'], 0)} |"
             )
-        for base in ("memory", "memory, resume off"):
-            ratio = c[f"redis/{base}"]
+        for name, ratio in c.items():
+            if "/" not in name:
+                continue
+            redis_name, _, base = name.partition("/")
             lines.append(
-                f"| redis ÷ {base} (same round) | ×{_span(ratio['us_per_token'])} "
-                f"(target ≤ ×1.3) | ×{_span(ratio['tokens_per_s'])} (target within 10 %) |"
+                f"| {redis_name} ÷ {base} (same round) | ×{_span(ratio['us_per_token'])} "
+                f"(target ≤ ×1.15) | ×{_span(ratio['tokens_per_s'])} (target within 10 %) |"
             )
         lines += [
             "",
@@ -323,13 +337,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", choices=("ttft", "cpu", "rolling"), action="append", help="these scenarios"
     )
+    parser.add_argument("--rev", action="append", default=[], help="also this commit's (cpu)")
     args = parser.parse_args(argv)
     only = set(args.only or ("ttft", "cpu", "rolling"))
     results: dict[str, Any] = {"rounds": args.rounds}
     if "ttft" in only:
         results["ttft"] = ttft(args.rounds, args.seconds)
     if "cpu" in only:
-        results["cpu"] = cpu(args.rounds, args.seconds, 50)
+        results["cpu"] = cpu(args.rounds, args.seconds, 50, args.rev)
     if "rolling" in only:
         results["rolling"] = rolling(args.rounds, args.sessions)
     RESULTS.mkdir(exist_ok=True)

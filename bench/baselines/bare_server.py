@@ -14,6 +14,10 @@ costs.
 It runs on the event loop the gateway would (``--loop``, the same default), so
 that a comparison is between servers, not loops.
 
+``--floor`` makes it the floor instead: each delta frame built from a bytes template
+and written with ``transport.write`` alone (a server's text frame header, then the
+bytes), no ``ws.send``: what no server sending one frame per token can go below.
+
 Run: ``python -m bench.baselines.bare_server --port 8800 --step-ms 20 --response-tokens 64``
 """
 
@@ -34,6 +38,13 @@ from bench.loadgen import raise_nofile
 from gateway.__main__ import LOOPS, default_loop, loop_factory
 from gateway.engines.sim import _MAX_CATCH_UP as MAX_CATCH_UP  # the same catch-up cap
 from gateway.engines.sim import answer_tokens
+from gateway.transport.wire import text_frame_header
+
+# --floor's delta frame: the fields _frame would write, in its order, from bytes.
+_DELTA = (
+    b'{"type":"response.output_text.delta","event_id":"%b","response_id":"%b",'
+    b'"item_id":"%b","output_index":0,"content_index":0,"delta":%b}'
+)
 
 _ids = itertools.count(1)
 
@@ -135,10 +146,25 @@ def _response(rid: str, status: str, output: list[Any], usage: Any) -> dict[str,
 
 
 class BareServer:
-    def __init__(self, step_ms: float, response_tokens: int) -> None:
+    def __init__(self, step_ms: float, response_tokens: int, floor: bool = False) -> None:
         self.ticker = Ticker(step_ms / 1000)
         self.response_tokens = response_tokens
         self.turns = 0
+        self.floor = floor
+
+    def write_delta(self, ws: ServerConnection, ids: dict[str, Any], token: str) -> bool:
+        """--floor: the delta frame straight to the transport (False: it has no room)."""
+        transport = ws.transport
+        if transport.get_write_buffer_size() < 1 << 16:
+            frame = _DELTA % (
+                _id("event").encode(),
+                ids["response_id"].encode(),
+                ids["item_id"].encode(),
+                orjson.dumps(token),
+            )
+            transport.write(text_frame_header(len(frame)) + frame)
+            return True
+        return False
 
     async def handle(self, ws: ServerConnection) -> None:
         await ws.send(
@@ -181,9 +207,9 @@ class BareServer:
                 now = await self.ticker.wait(seen)
                 # One token per step since the last look, each in a frame of its own.
                 for token in tokens[len(sent) : len(sent) + now - seen]:
-                    await ws.send(
-                        _frame("response.output_text.delta", **ids, delta=token), text=True
-                    )
+                    if not (self.floor and self.write_delta(ws, ids, token)):
+                        delta = _frame("response.output_text.delta", **ids, delta=token)
+                        await ws.send(delta, text=True)
                     sent.append(token)
                 seen = now
         except asyncio.CancelledError:
@@ -211,7 +237,7 @@ def _http(connection: ServerConnection, request: Request) -> Response | None:
 
 
 async def main(args: argparse.Namespace) -> None:
-    bare = BareServer(args.step_ms, args.response_tokens)
+    bare = BareServer(args.step_ms, args.response_tokens, args.floor)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -234,6 +260,7 @@ if __name__ == "__main__":
     parser.add_argument("--step-ms", type=float, default=20.0)
     parser.add_argument("--response-tokens", type=int, default=64)
     parser.add_argument("--loop", choices=LOOPS, default=default_loop())
+    parser.add_argument("--floor", action="store_true", help="deltas by transport.write alone")
     arguments = parser.parse_args()
     raise_nofile()
     with asyncio.Runner(loop_factory=loop_factory(arguments.loop)) as runner:
