@@ -280,6 +280,8 @@ class HttpConnection(asyncio.Protocol):
             if self._state == "idle":  # the next request has begun
                 self._state = "head"
                 self._arm(self._service.handshake_timeout)
+            elif self._first and self._upgrade_at_once(self._raw):
+                return
         elif self._state == "body":
             self._arm(self._service.handshake_timeout)  # a body must keep coming
         elif self._state == "handling":
@@ -385,6 +387,26 @@ class HttpConnection(asyncio.Protocol):
         line_end = raw.index(b"\n") + 1
         self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         self._h11.receive_data(bytes(raw[:line_end]) + b"Host: \r\n" + bytes(raw[line_end:]))
+        return True
+
+    def _upgrade_at_once(self, raw: bytearray) -> bool:
+        """A connection's first request, whole, a WebSocket upgrade of a WebSocket path:
+        straight to websockets, which parses (and validates) it anyway. Parsing it with
+        h11 first would be a second parse of every handshake."""
+        end = raw.find(b"\r\n\r\n")
+        if end < 0 or end + 4 > MAX_HEAD_BYTES or not raw.startswith(b"GET "):
+            return False
+        target, _, version = raw[4 : raw.find(b"\r\n")].rpartition(b" ")
+        path = target.partition(b"?")[0].decode("ascii", "replace")
+        if version != b"HTTP/1.1" or not self._service.is_websocket_path(path):
+            return False
+        if not _UPGRADE_WEBSOCKET.search(raw, 0, end + 2):
+            return False
+        self._raw = None
+        self._cancel_timer()
+        self._first = False
+        self._service.pending.discard(self)
+        self._hand_off(bytes(raw))
         return True
 
     def _on_head(self, event: h11.Request) -> None:
@@ -678,6 +700,8 @@ def _reason(status: int) -> bytes:
         return b""
 
 
+# An Upgrade header naming websocket (any case; h11 would have found it the same way).
+_UPGRADE_WEBSOCKET = re.compile(rb"\n[Uu][Pp][Gg][Rr][Aa][Dd][Ee][ \t]*:[^\r\n]*(?i:websocket)")
 _HOST_LINE = re.compile(rb"\n[Hh][Oo][Ss][Tt][ \t]*:")
 _HEAD_END = re.compile(rb"\n\r?\n")
 
