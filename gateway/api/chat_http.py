@@ -135,12 +135,13 @@ class ChatCompletionsHttp:
                 _error(reply, err)
                 return
             if command.body.stream:
-                # The head goes first: attaching the wire writes what is pending at once.
-                reply.start(200, SSE_HEADERS)
+                # The head goes first: attaching the wire writes what is pending at once
+                # (with the head, in one write).
                 wire = SseWire(reply, chat_messages(command.body.include_usage))
-                session.outbox.attach(wire)
+                with session.scheduler.write_batch:
+                    reply.start(200, SSE_HEADERS)
+                    session.outbox.attach(wire)
                 await wire.over.wait()
-                reply.end()
                 return
             body = await waiter.end
             error = body.get("error")

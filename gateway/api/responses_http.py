@@ -226,13 +226,14 @@ class ResponsesHttp:
                 ),
             )
             return
-        # The head goes first: attaching the wire writes what is pending at once.
-        reply.start(200, SSE_HEADERS)
+        # The head goes first: attaching the wire writes what is pending at once (with
+        # the head, in one write).
         wire = SseWire(reply)
-        session.resume(session.resume_token, after, wire, rotate=False)
+        with session.scheduler.write_batch:
+            reply.start(200, SSE_HEADERS)
+            session.resume(session.resume_token, after, wire, rotate=False)
         try:
             await wire.over.wait()
-            reply.end()
         finally:
             session.outbox.detach(wire)
             if not keep:

@@ -12,8 +12,9 @@ the API's (a :data:`Messages` function):
   ``finish_reason``, or with ``include_usage`` the usage chunk after it, whose
   ``choices`` is empty; or an error object) is followed by ``data: [DONE]``.
 
-The stream is also over once the outbox closed the wire: :attr:`SseWire.over` tells the
-route handler, which then ends the HTTP response.
+The wire ends the HTTP response with its last message (in the same write). The stream is
+also over once the outbox closed the wire: :attr:`SseWire.over` tells the route handler
+either way, and a response not ended yet is ended when the handler returns.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class SseWire:
         message, last = self._messages(frame)
         self._reply.write(message)
         if last:
+            # The body's end goes with the last event, in the same write.
+            self._reply.end()
             self._end()
 
     async def write_later(self, frame: bytes) -> None:
