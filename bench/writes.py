@@ -34,12 +34,14 @@ from typing import Any
 import orjson
 from websockets.asyncio.client import connect
 
+from bench import other_tree
 from bench.loadgen import Workload
 from bench.procs import bare_server_argv, gateway_argv, httptools_installed, server_process
 from bench.run import Engine, run_systems
 from bench.turns import PROMPT, measure, summary
 
 RESULTS = Path(__file__).parent / "results"
+SCENARIOS = ("frame", "sse", "short")
 CREATE_ITEM = orjson.dumps(
     {
         "type": "conversation.item.create",
@@ -52,17 +54,19 @@ CREATE_ITEM = orjson.dumps(
 ).decode()
 
 
-def streams(rounds: int, revs: list[str], seconds: float) -> dict[str, Any]:
+def streams(rounds: int, revs: list[str], seconds: float, only: set[str]) -> dict[str, Any]:
     """The frame and sse scenarios through bench.run's load generator: every row."""
     engine = Engine(step_ms=0, response_tokens=300)
     base = Workload(sessions=100, warmup=1.0, duration=seconds, drain=10.0, think=(0.0, 0.0))
     rows: list[dict[str, Any]] = []
-    frame = ["floor", "bare", "gateway", *(f"gateway+{rev}" for rev in revs)]
-    run_systems("frame", frame * rounds, engine, [base], rows, "uvloop")
+    if "frame" in only:
+        frame = ["floor", "bare", "gateway", *(f"gateway+{rev}" for rev in revs)]
+        run_systems("frame", frame * rounds, engine, [base], rows, "uvloop")
     fastapi = "fastapi-httptools" if httptools_installed() else "fastapi"
-    sse = ["floor-sse", "http", fastapi]
-    http = replace(base, sessions=200, chain=False)
-    run_systems("sse", sse * rounds, engine, [http], rows, "uvloop")
+    if "sse" in only:
+        sse = ["floor-sse", "http", fastapi]
+        http = replace(base, sessions=200, chain=False)
+        run_systems("sse", sse * rounds, engine, [http], rows, "uvloop")
     return {"rows": rows, "fastapi": fastapi}
 
 
@@ -78,11 +82,13 @@ async def short_session(url: str, stop: float, count: list[int]) -> None:
         count[0] += 1
 
 
-def short(rounds: int, seconds: float, clients: int) -> dict[str, list[float]]:
+def short(rounds: int, seconds: float, clients: int, revs: list[str]) -> dict[str, list[float]]:
     """CPU µs per short session (10-token answers), gateway against bare websockets."""
+    gateway = gateway_argv(loop="uvloop", step_ms=0, response_tokens=10)
     argvs = {
         "bare": bare_server_argv(step_ms=0, response_tokens=10, loop="uvloop"),
-        "gateway": gateway_argv(loop="uvloop", step_ms=0, response_tokens=10),
+        "gateway": gateway,
+        **{f"gateway+{rev}": other_tree.gateway_argv(rev, gateway) for rev in revs},
     }
     results: dict[str, list[float]] = {name: [] for name in argvs}
     for _ in range(rounds):
@@ -120,9 +126,20 @@ def per_round(rows: list[dict[str, Any]], scenario: str, system: str) -> list[fl
     ]
 
 
+def _table(rows: list[dict[str, Any]], scenario: str, floor: str) -> list[str]:
+    lines = ["| system | CPU µs/token | tokens/s | x floor (same round) |", "|---|---|---|---|"]
+    floors = per_round(rows, scenario, floor)
+    for system, d in medians(rows, scenario).items():
+        rate = statistics.median(
+            x["tokens_s"] for x in rows if x["scenario"] == scenario and x["system"] == system
+        )
+        x_floor = span(ratio(per_round(rows, scenario, system), floors), 2)
+        lines.append(f"| {system} | {span(d)} | {rate:,.0f} | {x_floor} |")
+    return lines
+
+
 def report(r: dict[str, Any]) -> str:
     rows, fastapi = r["rows"], r["fastapi"]
-    frame, sse = medians(rows, "frame"), medians(rows, "sse")
     lines = [
         "# The write path (bench/writes.py)",
         "",
@@ -130,45 +147,36 @@ def report(r: dict[str, Any]) -> str:
         "systems alternating within a round; medians (range). CPU µs of the server "
         "process per token (per session for short sessions).",
         "",
-        "## One token per frame (Realtime, 100 sessions x 300 tokens, the sim flat out)",
-        "",
-        "| system | CPU µs/token | tokens/s | x floor |",
-        "|---|---|---|---|",
     ]
-    floor = per_round(rows, "frame", "floor")
-    for system, d in frame.items():
-        rate = statistics.median(
-            x["tokens_s"] for x in rows if x["scenario"] == "frame" and x["system"] == system
-        )
-        x_floor = span(ratio(per_round(rows, "frame", system), floor), 2)
-        lines.append(f"| {system} | {span(d)} | {rate:,.0f} | {x_floor} |")
-    sse_floor = per_round(rows, "sse", "floor-sse")
-    lines += [
-        "",
-        "## SSE (POST /v1/responses, stream: true; 200 connections x 300 tokens)",
-        "",
-        "| system | CPU µs/token | tokens/s | x floor |",
-        "|---|---|---|---|",
-    ]
-    for system, d in sse.items():
-        rate = statistics.median(
-            x["tokens_s"] for x in rows if x["scenario"] == "sse" and x["system"] == system
-        )
-        x_floor = span(ratio(per_round(rows, "sse", system), sse_floor), 2)
-        lines.append(f"| {system} | {span(d)} | {rate:,.0f} | {x_floor} |")
-    fewer = ratio(per_round(rows, "sse", fastapi), per_round(rows, "sse", "http"))
-    lines += [
-        "",
-        f"- SSE: {fastapi} / gateway = {span(fewer, 2)}x the gateway's CPU per token "
-        "(target: at least 1.6x)",
-    ]
-    s = r["short"]
-    lines += [
-        f"- short sessions: gateway {span(summary(s['gateway']))} µs/session, bare websockets "
-        f"{span(summary(s['bare']))}; gateway/bare {span(ratio(s['gateway'], s['bare']), 2)} "
-        "(target: at most 1.5x)",
-        "",
-    ]
+    if any(x["scenario"] == "frame" for x in rows):
+        lines += [
+            "## One token per frame (Realtime, 100 sessions x 300 tokens, the sim flat out)",
+            "",
+            *_table(rows, "frame", "floor"),
+            "",
+        ]
+    if any(x["scenario"] == "sse" for x in rows):
+        fewer = ratio(per_round(rows, "sse", fastapi), per_round(rows, "sse", "http"))
+        lines += [
+            "## SSE (POST /v1/responses, stream: true; 200 connections x 300 tokens)",
+            "",
+            *_table(rows, "sse", "floor-sse"),
+            "",
+            f"- {fastapi} ÷ gateway (http): {span(fewer, 2)}x the gateway's CPU per token "
+            "(target: at least 1.6x)",
+            "",
+        ]
+    if "short" in r:
+        s = r["short"]
+        lines += ["## Short sessions (connect, one 10-token answer, close; 32 clients)", ""]
+        for name, values in s.items():
+            if name != "bare":
+                lines.append(
+                    f"- {name}: {span(summary(values))} µs/session; ÷ bare websockets "
+                    f"({span(summary(s['bare']))}): {span(ratio(values, s['bare']), 2)} "
+                    "(target: at most 1.5x)"
+                )
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -182,9 +190,14 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="also the gateway of this commit in the frame scenario (repeatable)",
     )
+    parser.add_argument(
+        "--only", choices=SCENARIOS, action="append", help="these scenarios (default: all)"
+    )
     args = parser.parse_args(argv)
-    results = streams(args.rounds, args.rev, args.seconds)
-    results["short"] = short(args.rounds, args.seconds, 32)
+    only = set(args.only or SCENARIOS)
+    results = streams(args.rounds, args.rev, args.seconds, only)
+    if "short" in only:
+        results["short"] = short(args.rounds, args.seconds, 32, args.rev)
     results |= {"rounds": args.rounds, "cpus": os.cpu_count(), "revs": args.rev}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "writes.json").write_text(json.dumps(results, indent=2, default=str))
