@@ -211,6 +211,42 @@ async def test_a_redis_restart_mid_stream_loses_nothing_delivered(
                 await asyncio.sleep(0.05)
 
 
+async def test_after_a_redis_restart_a_new_session_resumes_through_the_other_gateway(
+    redis_server: RedisServer,
+) -> None:
+    # The relay's path through Redis (B's read of the log, its store's flushes that the
+    # relayed frames wait for) comes back with it, for a relay that ran through the
+    # restart and for a new one.
+    async with gateways(redis_server.url, 2, tokens=300) as (a, b):
+        through = Chat()  # a stream on A and its relay on B, across the restart
+        await through.open(a.url())
+        await through.ask("Streaming through the restart")
+        await through.deltas(3)
+        assert through.ws is not None
+        through.ws.transport.abort()
+        assert (await through.resume(b.url()))["type"] == "session.resumed"
+        await through.deltas(3)
+        redis_server.stop()
+        await store_up(a, False)  # A streams on memory-only: it saw Redis go
+        redis_server.start()
+        for gateway in (a, b):
+            await store_up(gateway, True)
+        chat = Chat()
+        await chat.open(a.url())
+        await chat.ask("Hello after the restart")
+        await chat.deltas(5)
+        assert chat.ws is not None
+        chat.ws.transport.abort()
+        async with asyncio.timeout(TIMEOUT):
+            assert (await chat.resume(b.url()))["type"] == "session.resumed"
+            await chat.until("response.done")
+        chat.check_whole()
+        # The relayed stream was never told it was over: it ends whole, resuming (1012)
+        # where the frames the log lacks are kept, on its owner.
+        await through.finish(a.url())
+        through.check_whole()
+
+
 async def test_a_closed_session_leaves_no_keys(redis_server: RedisServer) -> None:
     async with gateways(redis_server.url, 1, step_ms=1, tokens=5) as (a,):
         chat = Chat()
@@ -261,6 +297,13 @@ async def test_the_responses_dialect_takes_over_and_continues_stored_responses(
         async with ResponsesClient.connect(b.url("/v1/responses")) as other:
             again = await other.respond(input="Go on", previous_response_id=first.id)
             assert again.response["previous_response_id"] == first.id
+
+
+async def store_up(gateway: Any, up: bool) -> None:
+    """Until ``gateway``'s /healthz says its store is ``up`` (or not)."""
+    async with asyncio.timeout(TIMEOUT):
+        while orjson.loads(await fetch(gateway.address, "/healthz"))["store"]["up"] is not up:
+            await asyncio.sleep(0.05)
 
 
 async def fetch(address: str, path: str) -> bytes:

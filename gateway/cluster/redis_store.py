@@ -42,6 +42,7 @@ from typing import Any
 import orjson
 import redis.asyncio as redis
 from redis.asyncio.connection import AbstractConnection
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from gateway.metrics import Metrics
@@ -462,7 +463,11 @@ class RedisStore:
         while True:
             try:
                 await self._pipeline(lane)
-            except (RedisError, OSError) as exc:
+            except Exception as exc:
+                # A lane outlives whatever its connection does: a dead lane would hold
+                # every socket's frames for good (each waits for its next flush).
+                if not isinstance(exc, RedisError | OSError):
+                    log.exception("session store: the %s lane failed", lane.name)
                 if self.up:
                     log.warning(
                         "session store write failed (%s): memory-only until it is back", exc
@@ -533,7 +538,12 @@ class RedisStore:
         sent = _Sent(lane.started, len(commands), requeue, frame_bytes, time.perf_counter())
         lane.sent.append(sent)  # before the send: a failure queues it again
         if commands:
-            await conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+            try:
+                await conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+            except AttributeError as exc:
+                # The reader's failure (Redis went away) closed the connection under this
+                # send: redis-py then has no writer. The same failure, seen from here.
+                raise RedisConnectionError("the connection closed during a send") from exc
         lane.more.set()  # the reader: one more flush to read (maybe with no reply)
 
     async def _read_replies(self, lane: _Lane, conn: AbstractConnection) -> None:

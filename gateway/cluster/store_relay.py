@@ -8,7 +8,9 @@ one subscription per process) delivers those frames to the session's actor as if
 came from a socket. The owner keeps numbering and logging, so the relay's client sees
 the same events, in the same order, as a local one would. If the owner goes away
 meanwhile (its lease ends), the relay closes the socket with 1012: the client's next
-resume takes the session over.
+resume takes the session over. While Redis is away (a restart) the relay waits and reads
+on from where it was; a gap in the log (frames the owner could not log meanwhile) closes
+it with 1012 too, never with a normal close the client would take for the end.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 1.0
 TAIL_BLOCK_MS = 1000
+RETRY_SECONDS = 0.05  # a tail whose read failed reads again after this, doubling to
+MAX_RETRY_SECONDS = 1.0
 
 
 def gap(loaded: Loaded, last: int) -> bool:
@@ -66,20 +70,40 @@ async def relay(
 
     async def tail(after: int) -> None:
         cursor = f"{after}-1" if after >= 0 else "0-0"
+        expected = after + 1 if after >= 0 else None  # the number the next frame must carry
+        backoff = RETRY_SECONDS
         while True:
-            entries: Any = await store.client.xread(
-                {log_key(session_id): cursor}, block=TAIL_BLOCK_MS
-            )
+            try:
+                entries: Any = await store.client.xread(
+                    {log_key(session_id): cursor}, block=TAIL_BLOCK_MS
+                )
+            except (RedisError, OSError) as exc:
+                # Redis is away (restarting): read on from the same place once it is back.
+                log.debug("relay of %s: the log does not answer (%s)", session_id, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, MAX_RETRY_SECONDS)
+                continue
+            backoff = RETRY_SECONDS
             for _, items in entries or []:
                 for entry_id, fields in items:
-                    cursor = entry_id.decode()
+                    seq = int(entry_id.split(b"-")[0])
+                    if expected is not None and seq > expected:
+                        # Frames the log lacks (the owner was memory-only meanwhile): the
+                        # client must resume where they are kept, not read past them.
+                        wire.close(1012, "the session's log has a gap: resume again")
+                        return
+                    cursor, expected = entry_id.decode(), seq + 1
                     await wire.write_later(fields[b"f"])
 
     async def heartbeat() -> None:
         while True:
             await publish("heartbeat")
             await asyncio.sleep(HEARTBEAT_SECONDS)
-            if await store.client.get(owner_key(session_id)) is None:
+            try:
+                owner_there = await store.client.get(owner_key(session_id)) is not None
+            except (RedisError, OSError):
+                continue  # Redis is away: ask again at the next beat
+            if not owner_there:
                 log.info("relay of %s: its owner is gone; the client resumes again", session_id)
                 wire.close(1012, "the session's gateway stopped: resume again")
                 return
