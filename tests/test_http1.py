@@ -419,6 +419,22 @@ async def test_a_kept_alive_connection_can_become_a_websocket(gw: RouteGateway) 
     writer.close()
 
 
+async def test_a_first_request_upgrade_in_pieces_and_any_case_becomes_a_websocket(
+    gw: RouteGateway,
+) -> None:
+    # A connection's first request skips h11 once its head is whole: a head in several
+    # reads, with the Upgrade header in another case, still opens the WebSocket.
+    request = handshake().replace(b"Upgrade: websocket", b"upgrade:  WebSocket")
+    reader, writer = await connect(gw)
+    for piece in (request[:7], request[7:40], request[40:]):
+        writer.write(piece)
+        await writer.drain()
+        await asyncio.sleep(0.01)  # separate reads on the server
+    status, headers, _ = await read_response(reader, head=True)
+    assert (status, headers["upgrade"]) == (101, "websocket")
+    writer.close()
+
+
 async def test_a_websocket_upgrade_elsewhere_is_404(gw: RouteGateway) -> None:
     reader, writer = await connect(gw)
     writer.write(handshake().replace(b"/v1/realtime", b"/healthz"))
