@@ -49,6 +49,9 @@ async def realtime_turns(
                     break
 
 
+REDIS_PIDS: dict[str, int] = {}  # url: the pid of the redis-server redis_url() started
+
+
 @contextlib.contextmanager
 def redis_url() -> Iterator[str | None]:
     if shutil.which("redis-server") is None:
@@ -58,26 +61,38 @@ def redis_url() -> Iterator[str | None]:
     argv = ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"]
     proc = subprocess.Popen([*argv, "--dir", folder], stdout=subprocess.DEVNULL)
     time.sleep(0.3)
+    url = f"redis://127.0.0.1:{port}/0"
+    REDIS_PIDS[url] = proc.pid
     try:
-        yield f"redis://127.0.0.1:{port}/0"
+        yield url
     finally:
+        REDIS_PIDS.pop(url, None)
         proc.terminate()
         proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
 
 
-async def measure(pid: int, seconds: float, clients: Any) -> tuple[float, float]:
-    """(CPU µs per unit, units per second) of the server ``pid`` while ``clients`` run."""
+async def measure(
+    pid: int, seconds: float, clients: Any, also: dict[int, float] | None = None
+) -> tuple[float, float]:
+    """(CPU µs per unit, units per second) of the server ``pid`` while ``clients`` run;
+    ``also``: more processes (pid: 0.0), each given its CPU µs per unit over the window."""
     count = [0]
+    others = list(also or ())
     warm = time.monotonic() + 1.0
     stop = warm + seconds
     tasks = [asyncio.create_task(c(stop + 0.2, count)) for c in clients]
     await asyncio.sleep(warm - time.monotonic())
     c0, n0, t0 = cpu_seconds(pid), count[0], time.monotonic()
+    o0 = [cpu_seconds(p) for p in others]
     await asyncio.sleep(stop - time.monotonic())
     c1, n1, t1 = cpu_seconds(pid), count[0], time.monotonic()
+    o1 = [cpu_seconds(p) for p in others]
     await asyncio.gather(*tasks, return_exceptions=True)
     units = max(1, n1 - n0)
+    if also is not None:
+        for p, a, b in zip(others, o0, o1, strict=True):
+            also[p] = 1e6 * (b - a) / units
     return 1e6 * (c1 - c0) / units, units / (t1 - t0)
 
 
