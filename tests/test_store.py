@@ -247,6 +247,26 @@ async def test_after_a_redis_restart_a_new_session_resumes_through_the_other_gat
         through.check_whole()
 
 
+async def test_a_cancel_sent_through_a_relay_while_redis_restarts_reaches_the_owner(
+    redis_server: RedisServer,
+) -> None:
+    async with gateways(redis_server.url, 2, tokens=300) as (a, b):
+        chat = Chat()
+        await chat.open(a.url())
+        await chat.ask("A long answer")
+        await chat.deltas(3)
+        assert chat.ws is not None
+        chat.ws.transport.abort()
+        assert (await chat.resume(b.url()))["type"] == "session.resumed"
+        redis_server.stop()
+        await store_up(a, False)  # Redis is gone (A, streaming, saw it)
+        await chat.send({"type": "response.cancel"})  # B cannot publish it now
+        redis_server.start()
+        await chat.finish(a.url())  # the relay's log has a gap (1012): the rest from A
+        done = [e for e in chat.events if e["type"] == "response.done"]
+        assert [d["response"]["status"] for d in done] == ["cancelled"]
+
+
 async def test_a_closed_session_leaves_no_keys(redis_server: RedisServer) -> None:
     async with gateways(redis_server.url, 1, step_ms=1, tokens=5) as (a,):
         chat = Chat()

@@ -10,7 +10,9 @@ the same events, in the same order, as a local one would. If the owner goes away
 meanwhile (its lease ends), the relay closes the socket with 1012: the client's next
 resume takes the session over. While Redis is away (a restart) the relay waits and reads
 on from where it was; a gap in the log (frames the owner could not log meanwhile) closes
-it with 1012 too, never with a normal close the client would take for the end.
+it with 1012 too, never with a normal close the client would take for the end; a
+client's frame is sent to the owner again until it has it. A store away for longer than
+the resume window closes the relay with 1012.
 """
 
 from __future__ import annotations
@@ -63,10 +65,24 @@ async def relay(
     for frame in ([greeting] if greeting is not None else []) + frames:
         await wire.write_later(frame)
 
+    loop = asyncio.get_running_loop()
+    patience = max(store.resume_window, 2 * HEARTBEAT_SECONDS)  # for a store that is away
+
     async def publish(kind: str, frame: str | None = None) -> None:
-        message = {"session": session_id, "kind": kind, "frame": frame}
-        with contextlib.suppress(RedisError, OSError):
-            await store.client.publish(channel(owner), orjson.dumps(message))
+        """Tell the owner. A client's frame is sent again until the owner has it (Redis
+        away, or back but the owner not subscribed again yet: nobody received it), in
+        order (``forward`` awaits each); past ``patience`` the client resumes again."""
+        message = orjson.dumps({"session": session_id, "kind": kind, "frame": frame})
+        backoff, since = RETRY_SECONDS, loop.time()
+        while True:
+            with contextlib.suppress(RedisError, OSError):
+                if await store.client.publish(channel(owner), message) or kind != "frame":
+                    return
+            if loop.time() - since > patience:
+                wire.close(1012, "the session's gateway cannot be reached: resume again")
+                return
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, MAX_RETRY_SECONDS)
 
     async def tail(after: int) -> None:
         cursor = f"{after}-1" if after >= 0 else "0-0"
@@ -96,13 +112,18 @@ async def relay(
                     await wire.write_later(fields[b"f"])
 
     async def heartbeat() -> None:
+        answered = loop.time()
         while True:
             await publish("heartbeat")
             await asyncio.sleep(HEARTBEAT_SECONDS)
             try:
                 owner_there = await store.client.get(owner_key(session_id)) is not None
             except (RedisError, OSError):
+                if loop.time() - answered > patience:  # not a restart: a store that is gone
+                    wire.close(1012, "the session store does not answer: resume again")
+                    return
                 continue  # Redis is away: ask again at the next beat
+            answered = loop.time()
             if not owner_there:
                 log.info("relay of %s: its owner is gone; the client resumes again", session_id)
                 wire.close(1012, "the session's gateway stopped: resume again")
