@@ -18,6 +18,8 @@ one small model once and:
      really enforces (a prompt far over it must be refused with a message naming it); a long
      conversation is trimmed and still answered, and one oversized message is answered
      with ``context_length_exceeded``, not ``engine_error``;
+   - issue 31: a greedy answer continued from its first half's token ids (a takeover's
+     continuation) equals the uninterrupted answer, its usage the whole answer's;
    - item 3 (last, it destroys the engine; ``--skip-crash`` to leave it out): every worker
      process is killed mid-answer; the live answer must end ``failed`` with
      ``engine_unavailable``, ``/readyz`` must turn 503, and the event loop must never stall.
@@ -316,6 +318,44 @@ async def check_context(engine: TrtllmEngine, url: str) -> None:
     record("item 1", not problems, "; ".join(problems) or summary)
 
 
+async def check_continuation(engine: TrtllmEngine) -> None:
+    """Issue 31: a greedy answer continued from its first half's token ids (as a takeover
+    does, from the store's log) goes on as the uninterrupted answer did."""
+    from dataclasses import replace
+
+    from gateway.engines.base import Finished, GenerationRequest, Message, SamplingParams
+    from gateway.engines.base import TextDelta as Delta
+
+    ask = GenerationRequest(
+        "smoke-continuation",
+        (Message("user", LONG_ASK),),
+        SamplingParams(max_output_tokens=64, temperature=0.0),
+    )
+
+    async def run(request: GenerationRequest) -> tuple[list[Delta], Finished | None]:
+        events = [e async for e in engine.stream(request)]
+        ends = [e for e in events if isinstance(e, Finished)]
+        return [e for e in events if isinstance(e, Delta)], ends[0] if ends else None
+
+    whole, whole_end = await run(ask)
+    half = whole[: len(whole) // 2]
+    sent = "".join(d.text for d in half)
+    ids = tuple(i for d in half for i in d.token_ids)
+    rest, end = await run(replace(ask, continuation=sent, continuation_token_ids=ids))
+    expected = "".join(d.text for d in whole)
+    got = sent + "".join(d.text for d in rest)
+    same = next((i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b), None)
+    ok = got == expected and end is not None and whole_end is not None
+    ok = ok and end.usage.output_tokens == whole_end.usage.output_tokens  # type: ignore[union-attr]
+    why = (
+        f"{len(ids)} token ids sent back after the prompt's; the continued answer "
+        + ("equals the uninterrupted one" if got == expected else f"differs from char {same}")
+        + f"; output tokens {end.usage.output_tokens if end else None} against "
+        + f"{whole_end.usage.output_tokens if whole_end else None}"
+    )
+    record("issue 31", ok, why)
+
+
 def _worker_limit(refusal: str | None) -> int | None:
     import re
 
@@ -441,6 +481,7 @@ async def gateway_mode(llm: Any, args: argparse.Namespace, builder: threading.Th
             f"the LLM was built on {where} ({builder.name!r}) and served every answer above",
         )
         await check_context(engine, url)
+        await check_continuation(engine)
         if args.skip_crash:
             record("item 3", None, "--skip-crash")
         else:

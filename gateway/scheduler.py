@@ -70,7 +70,9 @@ class Outcome:
 class JobSink(Protocol):
     """Where a job's results go (the owning session). Called on the event loop thread."""
 
-    def on_delta(self, job: Job, text: str) -> None: ...
+    def on_delta(self, job: Job, text: str, token_ids: tuple[int, ...] = ()) -> None:
+        """``token_ids``: what the text was decoded from, where the engine gave them
+        (TextDelta.token_ids), for the session store's log; () otherwise."""
 
     def on_tool_call_delta(self, job: Job, delta: ToolCallDelta) -> None: ...
 
@@ -311,7 +313,7 @@ class Scheduler:
             if output.__class__ is str:  # the hot path: one token of text
                 text: str = output
                 job.output_tokens += 1
-            elif isinstance(output, TextDelta):
+            elif isinstance(output, TextDelta) and not output.token_ids:
                 text = output.text
                 job.output_tokens += output.tokens
             else:
@@ -335,14 +337,17 @@ class Scheduler:
             for job, parts in merged.items():
                 self._deliver(job, parts[0] if len(parts) == 1 else "".join(parts), now)
 
-    def _deliver(self, job: Job, text: str, now: float) -> None:
+    def _deliver(self, job: Job, text: str, now: float, token_ids: tuple[int, ...] = ()) -> None:
         if job.parts:
             self.metrics.inter_token.observe(now - job.last_token_at)
         else:
             self.metrics.ttft.observe(now - job.submitted_at)
         job.last_token_at = now
         try:
-            job.sink.on_delta(job, text)
+            if token_ids:
+                job.sink.on_delta(job, text, token_ids)
+            else:
+                job.sink.on_delta(job, text)
         except Exception as exc:  # a bug costs its job, not the batch's other jobs
             self._sink_failed(job, exc)
             return
@@ -355,7 +360,12 @@ class Scheduler:
         self._end(job, self._partial(job, "failed", EngineError("internal_error", repr(exc))))
 
     def _other(self, job: Job, output: Output, now: float) -> None:
-        """Everything but text: tool-call deltas, prompt counts, the end."""
+        """Everything but text: tool-call deltas, prompt counts, the end; and text that
+        carries its token ids (never merged: the ids go with their own text)."""
+        if isinstance(output, TextDelta):
+            job.output_tokens += output.tokens
+            self._deliver(job, output.text, now, output.token_ids)
+            return
         if isinstance(output, ToolCallDelta):
             job.last_token_at = now
             job.output_tokens += output.tokens

@@ -129,6 +129,7 @@ class ResponseState:
     outputs: int = 0  # output items opened so far
     last_item_id: str | None = None  # its newest output item, where the next one goes
     prefix: str = ""  # text sent before a takeover (a continued answer's first part)
+    prefix_token_ids: tuple[int, ...] = ()  # its tokens, where the engine gave them
 
     @property
     def in_conversation(self) -> bool:
@@ -417,12 +418,12 @@ class Session:
 
     # JobSink: called by the scheduler on the event loop thread.
 
-    def on_delta(self, job: Job, text: str) -> None:
+    def on_delta(self, job: Job, text: str, token_ids: tuple[int, ...] = ()) -> None:
         response = self._responses[job]
         if response.text_index != 0:  # a response with tools: see _text_of_tool_response
             self._text_of_tool_response(response, text)
             return
-        self.outbox.put_delta(response.delta_key, response.item_id, text)
+        self.outbox.put_delta(response.delta_key, response.item_id, text, token_ids)
 
     def on_tool_call_delta(self, job: Job, delta: ToolCallDelta) -> None:
         response = self._responses[job]
@@ -585,7 +586,9 @@ class Session:
         self._responses[r.job] = r
         self.dialect.response_continued(r)
         if engine.can_continue and not r.calls and r.text_index == 0:
-            r.job.request = replace(r.job.request, continuation=r.prefix)
+            r.job.request = replace(
+                r.job.request, continuation=r.prefix, continuation_token_ids=r.prefix_token_ids
+            )
             if self.scheduler.submit(r.job):
                 return
         reason = (

@@ -77,6 +77,7 @@ class _PendingDelta:
     response_id: str
     item_id: str
     parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # the parts' (see put_delta)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +158,9 @@ class Outbox:
         self.on_overflow: Callable[[], None] | None = None
         # Told of every numbered frame (a session store logs it; it must not await).
         self.on_sent: Callable[[int, bytes], None] | None = None
+        # Told, right after on_sent, of a delta frame's token ids, where the engine gave
+        # them (TensorRT-LLM continues an answer from them after a takeover).
+        self.on_token_ids: Callable[[int, tuple[int, ...]], None] | None = None
         self.on_attach: Callable[[Wire], None] | None = None  # a wire starts serving here
         self.stats = OutboxStats()
 
@@ -189,7 +193,11 @@ class Outbox:
         else:
             self._append(body, len(body))
 
-    def put_delta(self, response_id: str, item_id: str, text: str) -> None:
+    def put_delta(
+        self, response_id: str, item_id: str, text: str, token_ids: tuple[int, ...] = ()
+    ) -> None:
+        """Queue (or send) one text delta; ``token_ids``: the tokens it was decoded from,
+        if the engine gave them, told to ``on_token_ids`` with the frame that carries it."""
         if self._closed:
             return
         self.stats.deltas_in += 1
@@ -201,19 +209,22 @@ class Outbox:
                 self._new_delta_ids(response_id, item_id)
             frame = self._framing.delta(self._seq, self._delta_ids, text)
             self._sent(self._seq, frame)
+            if token_ids and self.on_token_ids is not None:
+                self.on_token_ids(self._seq, token_ids)
             self.stats.delta_frames_out += 1
             wire.write(frame)
             return
         pending = self._open.get(response_id) if self._coalesce else None
         if pending is not None:
             pending.parts.append(text)
+            pending.token_ids += token_ids
             self._bytes += len(text) + _PART_OVERHEAD
             if len(pending.parts) >= _MAX_PARTS:  # one string, not thousands of small ones
                 self._bytes -= _PART_OVERHEAD * (len(pending.parts) - 1)
                 pending.parts = ["".join(pending.parts)]
             self._check_limits()
             return
-        pending = _PendingDelta(response_id, item_id, [text])
+        pending = _PendingDelta(response_id, item_id, [text], list(token_ids))
         self._open[response_id] = pending
         self._append(pending, len(text) + _DELTA_OVERHEAD)
 
@@ -386,8 +397,11 @@ class Outbox:
                 self._new_delta_ids(entry.response_id, entry.item_id)
             frame = self._framing.delta(seq, self._delta_ids, "".join(entry.parts))
             self.stats.delta_frames_out += 1
-        else:
-            frame = self._framing.numbered(seq, entry)
+            self._sent(seq, frame)
+            if entry.token_ids and self.on_token_ids is not None:
+                self.on_token_ids(seq, tuple(entry.token_ids))
+            return frame
+        frame = self._framing.numbered(seq, entry)
         self._sent(seq, frame)
         return frame
 

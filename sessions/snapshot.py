@@ -5,13 +5,14 @@ the session over when the one that held it is gone.
 a consistent state); :func:`restore` builds the session again on the process that takes
 it over, and :func:`continue_responses` picks its answers in flight up. The text such
 an answer had sent is not in the snapshot but in the event log (the frames that reached
-the client): :func:`sent_text` reads it back.
+the client, with the token ids an engine gave for them): :func:`sent_text` reads it back.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Mapping
 from dataclasses import asdict, fields
 from typing import Any
 
@@ -217,20 +218,35 @@ def restore(
     return session, in_flight
 
 
-def sent_text(frames: list[bytes], item_id: str) -> str:
-    """The text deltas of output item ``item_id`` among ``frames`` (an event log), joined."""
+def sent_text(
+    frames: list[tuple[int, bytes]],
+    item_id: str,
+    token_ids: Mapping[int, tuple[int, ...]] | None = None,
+) -> tuple[str, tuple[int, ...]]:
+    """The text deltas of output item ``item_id`` among ``frames`` (an event log:
+    numbered frames), joined; and the token ids logged with them (``token_ids``, by
+    frame number), where the engine gave them."""
     needle = orjson.dumps(item_id)
-    parts = []
-    for frame in frames:
+    parts: list[str] = []
+    ids: list[int] = []
+    for seq, frame in frames:
         if b'"response.output_text.delta"' in frame and needle in frame:
             event = orjson.loads(frame)
             if event.get("item_id") == item_id:
                 parts.append(event["delta"])
-    return "".join(parts)
+                if token_ids:
+                    ids += token_ids.get(seq, ())
+    return "".join(parts), tuple(ids)
 
 
-def continue_responses(session: Session, in_flight: list[ResponseState], log: list[bytes]) -> None:
-    """Go on with the answers in flight, each from the text its client already has."""
+def continue_responses(
+    session: Session,
+    in_flight: list[ResponseState],
+    log: list[tuple[int, bytes]],
+    token_ids: Mapping[int, tuple[int, ...]] | None = None,
+) -> None:
+    """Go on with the answers in flight, each from the text its client already has (and
+    the tokens it was generated from, where the log has them)."""
     for r in in_flight:
-        r.prefix = sent_text(log, r.item_id)
+        r.prefix, r.prefix_token_ids = sent_text(log, r.item_id, token_ids)
         session.continue_response(r)

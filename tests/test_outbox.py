@@ -64,6 +64,25 @@ async def test_deltas_merge_per_response_while_the_socket_pushes_back() -> None:
     assert outbox.pending_bytes == 0
 
 
+async def test_token_ids_go_with_the_frame_that_carries_their_text() -> None:
+    """A session store logs them beside the frame (a TensorRT-LLM continuation's): merged
+    text, merged ids; frames without any are not told."""
+    outbox, wire = Outbox(RealtimeFraming()), MemoryWire()
+    told: list[tuple[int, tuple[int, ...]]] = []
+    outbox.on_token_ids = lambda seq, ids: told.append((seq, ids))
+    outbox.attach(wire)
+    outbox.put_delta("r1", "i1", "Hel", (7,))
+    wire.set_room(False)
+    outbox.put_delta("r1", "i1", "lo", (8,))
+    outbox.put_delta("r1", "i1", " you", (9, 10))
+    outbox.put({"type": "response.output_text.done", "response_id": "r1"})
+    outbox.put_delta("r1", "i1", "!")
+    wire.set_room(True)
+    events = wire.drain() + await settle(wire)
+    assert deltas(events) == [("r1", "Hel"), ("r1", "lo you"), ("r1", "!")]
+    assert told == [(1, (7,)), (2, (8, 9, 10))]
+
+
 async def test_many_merged_pieces_stay_one_string_and_lose_nothing() -> None:
     outbox, wire = Outbox(RealtimeFraming()), MemoryWire(room=False)
     outbox.attach(wire)

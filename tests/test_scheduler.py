@@ -21,7 +21,7 @@ class Recorder:
         self.started: list[str] = []
         self.done = asyncio.Event()
 
-    def on_delta(self, job: Job, text: str) -> None:
+    def on_delta(self, job: Job, text: str, token_ids: tuple[int, ...] = ()) -> None:
         rid = job.request.request_id
         if rid not in self.deltas:
             self.started.append(rid)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -19,6 +20,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -39,8 +41,11 @@ from gateway.engines.base import (
     StreamEvent,
     TextDelta,
 )
+from tests.support.gateway_processes import gateways
 from tests.support.harness import RawClient, running_gateway
+from tests.support.redis_server import RedisServer, redis_server_fixture  # noqa: F401
 from tests.support.responses_harness import ResponsesClient
+from tests.test_store import Chat
 
 ROOT = Path(__file__).parent.parent
 STANDIN_ROOT = Path(__file__).parent / "support" / "trtllm_standin"
@@ -257,6 +262,56 @@ async def test_the_prompt_is_sent_as_token_ids_and_tokenized_once(
     assert standin.stats.prompts_encoded == 0
     assert record.prompt is None and record.prompt_token_ids
     assert end.usage.input_tokens == len(record.prompt_token_ids)
+
+
+# -- continuing an answer (a takeover: issue 31) ----------------------------------------
+
+
+async def test_a_continued_answer_is_the_prompts_ids_then_the_answers_own_ids(
+    engine: trtllm.TrtllmEngine, standin: ModuleType
+) -> None:
+    """The ids the deltas carried (the store keeps them in its log) go back as they
+    were, after the prompt's: no re-tokenization, and the client sees one answer."""
+    standin.controls.reply = "one two three four five six seven"
+    whole = await collect(engine, request("count", max_output_tokens=50))
+    uninterrupted = [e for e in whole if isinstance(e, TextDelta)]
+    assert all(e.token_ids for e in uninterrupted)
+    prompt_ids = standin.stats.requests[-1].prompt_token_ids
+    sent = uninterrupted[:3]  # what the stopped gateway had sent
+    so_far = "".join(e.text for e in sent)
+    ids = tuple(i for e in sent for i in e.token_ids)
+    events = await collect(
+        engine,
+        replace(
+            request("count", max_output_tokens=50),
+            continuation=so_far,
+            continuation_token_ids=ids,
+        ),
+    )
+    assert standin.stats.requests[-1].prompt_token_ids == [*prompt_ids, *ids]
+    assert so_far + "".join(deltas(events)) == "one two three four five six seven"
+    assert finished(events).usage == finished(whole).usage  # the whole answer's
+    # And its budget is the whole answer's: 5 tokens in all, 3 of them sent before.
+    cut = await collect(
+        engine,
+        replace(
+            request("count", max_output_tokens=5),
+            continuation=so_far,
+            continuation_token_ids=ids,
+        ),
+    )
+    assert finished(cut).reason == "length" and finished(cut).usage.output_tokens == 5
+    assert so_far + "".join(deltas(cut)) == "one two three"
+
+
+async def test_an_answer_without_its_token_ids_is_not_continued_from_its_text(
+    engine: trtllm.TrtllmEngine, standin: ModuleType
+) -> None:
+    before = len(standin.stats.requests)
+    with pytest.raises(EngineError) as caught:
+        await collect(engine, replace(request("count"), continuation="one two"))
+    assert caught.value.code == "gateway_restarted"
+    assert len(standin.stats.requests) == before  # never sent
 
 
 async def test_a_chat_template_error_is_an_invalid_request(
@@ -1066,7 +1121,7 @@ async def test_disconnect_aborts_in_the_engine(standin: ModuleType) -> None:
 def test_smoke_script_runs_on_the_standin() -> None:
     # bench/trtllm_smoke.py is for GPU machines; on the stand-in it checks the script's
     # own logic (the three modes, the gateway in-process, a mid-stream cancel, and the
-    # checks of items 1, 3 and 10) so that it cannot rot.
+    # checks of items 1, 3 and 10 and of issue 31) so that it cannot rot.
     env = {**os.environ, "PYTHONPATH": str(STANDIN_ROOT), "TRTLLM_STANDIN_WORKER_PROCESS": "1"}
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "trtllm_smoke.py"), "--model", MODEL],
@@ -1079,7 +1134,7 @@ def test_smoke_script_runs_on_the_standin() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     for label in ("[sync llm.generate]", "[async gather]", "[async streaming]", "cancelled"):
         assert label in result.stdout
-    for item in ("item 1", "item 3", "item 10"):
+    for item in ("item 1", "item 3", "item 10", "issue 31"):
         assert f"[{item}] PASS" in result.stdout, result.stdout
 
 
@@ -1115,3 +1170,43 @@ async def test_the_responses_websocket_serves_trtllm(standin: ModuleType) -> Non
             assert usage["input_tokens"] == len(standin.stats.requests[-1].prompt_token_ids)
             warm = await client.respond(input="More?", previous_response_id=turn.id, generate=False)
             assert warm.response["output"] == []
+
+
+async def test_a_takeover_continues_the_answer_from_the_token_ids_in_the_store(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 31: the gateway generating an answer is killed; the one that takes the session
+    over sends the stand-in the prompt's ids and then the ids the answer's deltas were
+    generated from, read back from Redis (without them it could not continue at all: see
+    test_an_answer_without_its_token_ids_is_not_continued_from_its_text). The client sees
+    one answer, and usage counts all of it."""
+    reply = " ".join(f"w{i}" for i in range(40))
+    monkeypatch.setenv(
+        "PYTHONPATH",
+        os.pathsep.join(filter(None, [str(STANDIN_ROOT), os.environ.get("PYTHONPATH")])),
+    )
+    monkeypatch.setenv("TRTLLM_STANDIN_REPLY", reply)
+    monkeypatch.setenv("TRTLLM_STANDIN_STEP_S", "0.02")
+    engine = ("--engine", "trtllm", "--model", MODEL)
+    async with gateways(redis_server.url, 2, engine=engine) as (a, b):
+        chat = Chat()
+        await chat.open(a.url())
+        await chat.ask("Count")
+        await chat.deltas(10)
+        a.kill()
+        with contextlib.suppress(Exception):
+            while True:
+                await chat.recv()
+        assert (await chat.resume(b.url()))["type"] == "session.resumed"
+        await chat.finish(b.url())
+        chat.check_whole()
+        moved = [e for e in chat.events if e["type"] == "response.done"][-1]["response"]
+        assert moved["output"][0]["content"][0]["text"] == reply
+        assert any("took over session" in line for line in b.log)
+        # The same question, uninterrupted, on B: the same usage.
+        fresh = Chat()
+        await fresh.open(b.url())
+        await fresh.ask("Count")
+        whole = (await fresh.until("response.done"))["response"]
+        assert moved["usage"]["output_tokens"] == whole["usage"]["output_tokens"]
+        assert moved["usage"]["input_tokens"] == whole["usage"]["input_tokens"]

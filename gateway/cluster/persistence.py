@@ -107,6 +107,7 @@ class Persistence:
         """Save ``session`` from now on, and hold its lease."""
         store, session_id, name = self.store, session.id, session.dialect.name
         session.outbox.on_sent = lambda seq, frame: store.log(session_id, seq, frame)
+        session.outbox.on_token_ids = lambda seq, ids: store.log_token_ids(session_id, seq, ids)
         session.outbox.on_attach = lambda wire: _serve(wire, session_id)
 
         def changed(s: Session) -> None:
@@ -134,6 +135,7 @@ class Persistence:
             self.store.save(session.id, lambda data=data: data)  # type: ignore[misc]
             self.store.release(session.id, window)
             session.outbox.on_sent = None
+            session.outbox.on_token_ids = None
             session.outbox.on_attach = None
             session.on_change = None
             # At once, with no await before it: a frame numbered from now on would reach
@@ -198,7 +200,7 @@ class Persistence:
             session.close("disconnected")
             self._metrics.takeovers.labels(outcome=code).inc()
             raise ResumeRefused(code)
-        snapshot.continue_responses(session, in_flight, [frame for _, frame in loaded.frames])
+        snapshot.continue_responses(session, in_flight, loaded.frames, loaded.token_ids)
         self._metrics.takeovers.labels(outcome="taken_over").inc()
         log.info(
             "took over session %s from %s (%d answers in flight)",

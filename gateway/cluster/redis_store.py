@@ -5,7 +5,8 @@
 
 - ``s:{id}``: the session as JSON (sessions/snapshot.py: settings, conversation,
   answers in flight, the resume token's hash), saved after the actor's turns;
-- ``l:{id}``: its event log, a Redis stream, one entry per numbered frame, the entry id
+- ``l:{id}``: its event log, a Redis stream, one entry per numbered frame (field ``f``;
+  ``t``: the token ids of a delta's text, where the engine gave them), the entry id
   ``{sequence_number}-1``, trimmed like ``--replay-bytes``;
 - ``o:{id}``: the owner lease, this process's id with a TTL, renewed while it holds
   the session;
@@ -61,19 +62,34 @@ LOG_FLUSHES_IN_FLIGHT = 1
 STATE_FLUSHES_IN_FLIGHT = 8
 # Every frame a loop turn logged, for every session, in one command: a command (or even
 # an argument) per frame would cost the gateway more CPU than the frame itself. KEYS: the
-# logs; ARGV: the key TTL, then per key the first frame's number and the frames joined by
-# newlines (a JSON text has none of its own). Numbers run on with no gap within a key.
+# logs; ARGV: the key TTL, then per key the first frame's number, the frames joined by
+# newlines (a JSON text has none of its own) and, where an engine reported them
+# (TensorRT-LLM), each frame's token ids on a line of their own ("" for none at all: the
+# common case costs one comparison per key). Numbers run on with no gap within a key.
 _APPEND = """
 local at = 2
 for k = 1, #KEYS do
   local seq = tonumber(ARGV[at])
   local blob = ARGV[at + 1]
-  at = at + 2
-  local start = 1
+  local ids = ARGV[at + 2]
+  at = at + 3
+  local start, istart = 1, 1
   while true do
     local stop = string.find(blob, "\\n", start, true)
     local last = stop and stop - 1 or -1
-    redis.pcall('xadd', KEYS[k], seq .. '-1', 'f', string.sub(blob, start, last))
+    local id = seq .. '-1'
+    if ids == '' then
+      redis.pcall('xadd', KEYS[k], id, 'f', string.sub(blob, start, last))
+    else
+      local istop = string.find(ids, "\\n", istart, true)
+      local t = string.sub(ids, istart, istop and istop - 1 or -1)
+      istart = (istop or #ids) + 1
+      if t == '' then
+        redis.pcall('xadd', KEYS[k], id, 'f', string.sub(blob, start, last))
+      else
+        redis.pcall('xadd', KEYS[k], id, 'f', string.sub(blob, start, last), 't', t)
+      end
+    end
     seq = seq + 1
     if not stop then break end
     start = stop + 1
@@ -126,6 +142,7 @@ class _LogWrites:
     """What one session has for the log lane at its next flush."""
 
     frames: list[tuple[int, bytes]] = field(default_factory=list)
+    token_ids: dict[int, bytes] = field(default_factory=dict)  # by frame number
     trim_before: int | None = None
     expire_in: float | None = None  # let go: the log lives this long
     forget: bool = False
@@ -189,6 +206,7 @@ class Loaded:
     state: dict[str, Any]
     frames: list[tuple[int, bytes]]  # the log, oldest first
     owner: str | None
+    token_ids: dict[int, tuple[int, ...]] = field(default_factory=dict)  # by frame number
 
 
 class RedisStore:
@@ -310,6 +328,10 @@ class RedisStore:
         if self.buffered_bytes > self.max_buffer_bytes:
             self._shed()
 
+    def log_token_ids(self, session_id: str, seq: int, token_ids: tuple[int, ...]) -> None:
+        """The token ids frame ``seq`` (just logged) was generated from, kept with it."""
+        self._log_entry(session_id).token_ids[seq] = " ".join(map(str, token_ids)).encode()
+
     def save(self, session_id: str, state: Callable[[], bytes]) -> None:
         """Save the session (``state`` is called at the flush, once however often asked)."""
         self._state_entry(session_id).state = state
@@ -342,6 +364,7 @@ class RedisStore:
         logs = self._log_entry(session_id)
         self.buffered_bytes -= sum(len(f) for _, f in logs.frames)
         logs.frames.clear()
+        logs.token_ids.clear()
         logs.forget = True
         state = self._state_entry(session_id)
         state.state, state.forget = None, True
@@ -418,6 +441,7 @@ class RedisStore:
             if entry.frames:
                 self.buffered_bytes -= sum(len(f) for _, f in entry.frames)
                 entry.frames.clear()
+                entry.token_ids.clear()
                 entry.forget = True
                 state = self._states.setdefault(session_id, _StateWrites())
                 state.state, state.forget = None, True
@@ -593,7 +617,10 @@ class RedisStore:
                 # An id not above the stream's top (a frame a takeover's process wrote
                 # already) is refused alone (pcall): the others still go in.
                 keys.append(log_key(session_id))
-                args += (p.frames[0][0], b"\n".join(frame for _, frame in p.frames))
+                ids = b""
+                if p.token_ids:
+                    ids = b"\n".join(p.token_ids.get(seq, b"") for seq, _ in p.frames)
+                args += (p.frames[0][0], b"\n".join(frame for _, frame in p.frames), ids)
         if keys:
             # EVAL with the script's text, not a registered script: redis-py makes a
             # pipeline that runs one ask SCRIPT EXISTS first, a round trip of its own
@@ -620,6 +647,7 @@ class RedisStore:
             if old.forget or new.forget:
                 continue
             new.frames[:0] = old.frames
+            new.token_ids.update(old.token_ids)
             new.trim_before = new.trim_before or old.trim_before
             if new.expire_in is None:
                 new.expire_in = old.expire_in
@@ -706,8 +734,13 @@ class RedisStore:
         state, entries, owner = await pipe.execute()
         if state is None:
             return None
-        frames = [(int(entry_id.split(b"-")[0]), fields[b"f"]) for entry_id, fields in entries]
-        return Loaded(orjson.loads(state), frames, owner.decode() if owner else None)
+        frames, token_ids = [], {}
+        for entry_id, fields in entries:
+            seq = int(entry_id.split(b"-")[0])
+            frames.append((seq, fields[b"f"]))
+            if (ids := fields.get(b"t")) is not None:
+                token_ids[seq] = tuple(map(int, ids.split()))
+        return Loaded(orjson.loads(state), frames, owner.decode() if owner else None, token_ids)
 
     async def acquire(self, session_id: str) -> bool:
         """Take the session's lease if nobody holds it (its owner is gone)."""

@@ -98,6 +98,9 @@ class GenerationRequest:
     # sessions/snapshot.py): the engine continues it, its deltas are only what follows.
     # Only engines whose ``can_continue`` is true are given one.
     continuation: str = ""
+    # The token ids that text was generated from, where the engine reported them
+    # (TextDelta.token_ids: TensorRT-LLM), so that it continues from exactly those tokens.
+    continuation_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +118,9 @@ class Usage:
 class TextDelta:
     text: str
     tokens: int = 1  # tokens this text stands for, for usage when a stream is cut short
+    # The ids of the tokens this text was decoded from, from an engine that continues an
+    # answer from its token ids (TensorRT-LLM); kept in the store's log with the delta.
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -235,6 +235,9 @@ class TrtllmEngine(StreamingEngine):
     """One shared TensorRT-LLM ``LLM``; every generation is one streaming request."""
 
     name = "trtllm"
+    # From the answer's own token ids (GenerationRequest.continuation_token_ids): the
+    # prompt's ids, then the answer's, with no re-tokenization.
+    can_continue = True
 
     def __init__(self, settings: TrtllmSettings, *, llm: Any = None) -> None:
         """``llm``: an already loaded ``tensorrt_llm.LLM`` to serve instead of loading one
@@ -546,12 +549,41 @@ class TrtllmEngine(StreamingEngine):
             log.info("trtllm: %s dropped %d old turns to fit", request.request_id, dropped)
         return last.get(messages)
 
-    def _sampling_params(self, sampling: SamplingParams, prompt_tokens: int) -> Any:
-        """Every field explicit: TensorRT-LLM defaults to 32 tokens and greedy decoding."""
-        room = self._context.tokens - prompt_tokens
+    def _answer_so_far(self, request: GenerationRequest) -> _AnswerSoFar:
+        """A continued answer's token ids and what they decode to beyond the text sent.
+
+        The ids are the ones the answer was generated from (kept in the store's log with
+        its deltas), never the sent text encoded again: a re-tokenization can differ from
+        the tokens the model chose, and the continuation would then not be the answer the
+        model was giving. Text the first gateway held back (a possible stop string) is
+        decoded from them and sent first."""
+        if not request.continuation:
+            return _AnswerSoFar((), "")
+        ids = request.continuation_token_ids
+        if not ids:
+            raise EngineError(
+                "gateway_restarted",
+                "the answer so far has no token ids in the session store to continue from",
+            )
+        decoded: str = self._llm.tokenizer.decode(list(ids), skip_special_tokens=True)
+        if not decoded.startswith(request.continuation):
+            raise EngineError(
+                "gateway_restarted",
+                "the answer so far does not match the token ids kept with it",
+            )
+        return _AnswerSoFar(ids, decoded[len(request.continuation) :])
+
+    def _sampling_params(
+        self, sampling: SamplingParams, prompt_tokens: int, answered: int = 0
+    ) -> Any:
+        """Every field explicit: TensorRT-LLM defaults to 32 tokens and greedy decoding.
+        ``answered``: tokens of a continued answer, in the prompt and in its budget."""
+        room = self._context.tokens - prompt_tokens - answered
         if room < 1:
             raise ContextOverflowError("the prompt leaves no room for an answer")
         wanted = sampling.max_output_tokens
+        if wanted is not None:
+            wanted = max(1, wanted - answered)
         return self._sampling_cls(
             max_tokens=room if wanted is None else min(wanted, room),
             temperature=DEFAULT_TEMPERATURE
@@ -577,12 +609,13 @@ class TrtllmEngine(StreamingEngine):
             self._check_usable()
             calls = self._tool_call_text(request)
             prompt_ids = self._fit(request)
-            params = self._sampling_params(request.sampling, len(prompt_ids))
+            answer = self._answer_so_far(request)
+            params = self._sampling_params(request.sampling, len(prompt_ids), len(answer.ids))
             # Known before the first token: an answer cut short still reports its prompt.
             # (Not counted as yielded: a refused prompt is retried, and re-reported.)
             yield PromptTokens(len(prompt_ids))
             try:
-                generation = self._generate(request, prompt_ids, params, calls)
+                generation = self._generate(request, prompt_ids, params, calls, answer)
                 async with contextlib.aclosing(generation) as gen:
                     async for event in gen:
                         yielded = True
@@ -610,6 +643,7 @@ class TrtllmEngine(StreamingEngine):
         prompt_ids: list[int],
         params: Any,
         calls: ToolCallText | None,
+        answer: _AnswerSoFar,
     ) -> AsyncGenerator[StreamEvent, None]:
         llm = self._llm
         # generate_async would handle a pending fatal error by shutting the executor down
@@ -619,7 +653,7 @@ class TrtllmEngine(StreamingEngine):
             raise EngineUnavailableError(_failed_message(reason))
         # Called here, inside the coroutine that iterates it: the output binds to this loop.
         try:
-            output = llm.generate_async(prompt_ids, params, streaming=True)
+            output = llm.generate_async([*prompt_ids, *answer.ids], params, streaming=True)
         except self._request_error as exc:
             raise self._request_failed(exc) from None
         except (ValueError, TypeError) as exc:
@@ -629,25 +663,27 @@ class TrtllmEngine(StreamingEngine):
         live = _LiveStream(output, request.request_id, asyncio.current_task())
         self._live.add(live)  # no await since generate_async: close() cannot have missed it
         held = _StopHoldback(tuple(request.sampling.stop))
+        ids = _TokenIds()
+        lead = answer.held_text  # decoded from the answer's ids, not sent yet
         finished = False
         try:
             async for out in output:
                 completion = out.outputs[0]
                 if completion.finish_reason is None:
-                    if text := held.feed(completion.text):
+                    if text := held.feed(lead + completion.text):
                         for event in calls.feed(text) if calls else [TextDelta(text)]:
-                            yield event
+                            yield ids.attach(event, completion.token_ids)
                     continue
                 finished = True
                 finish: FinishReason = _finish_reason(completion.finish_reason)
-                text = held.flush(completion.text)
+                text = held.flush(lead + completion.text)
                 tail = [*calls.feed(text), *calls.finish()] if calls else [TextDelta(text)]
                 for event in tail:
                     if not isinstance(event, TextDelta) or event.text:
-                        yield event
+                        yield ids.attach(event, completion.token_ids)
                 if calls and calls.calls and finish == "stop":
                     finish = "tool_calls"
-                yield Finished(finish, _usage(out, completion))
+                yield Finished(finish, _usage(out, completion, len(answer.ids)))
                 return
         except asyncio.CancelledError:
             if live.ending is None:
@@ -876,14 +912,39 @@ def _finish_reason(reason: str) -> FinishReason:
     raise EngineError("engine_cancelled", f"TensorRT-LLM ended the request ({reason})")
 
 
-def _usage(out: Any, completion: Any) -> Usage:
+def _usage(out: Any, completion: Any, answered: int) -> Usage:
     # token_ids holds every generated token, the stop string's included
-    # (include_stop_str_in_output=True).
+    # (include_stop_str_in_output=True). A continued answer's earlier tokens were sent
+    # as prompt; they are the answer's output, not its input.
+    prompt = len(out.prompt_token_ids) - answered
     return Usage(
-        input_tokens=len(out.prompt_token_ids),
-        output_tokens=len(completion.token_ids),
-        cached_tokens=int(getattr(out, "cached_tokens", 0) or 0),
+        input_tokens=prompt,
+        output_tokens=len(completion.token_ids) + answered,
+        cached_tokens=min(prompt, int(getattr(out, "cached_tokens", 0) or 0)),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _AnswerSoFar:
+    """A continued answer: its token ids, and the part of their text not sent yet."""
+
+    ids: tuple[int, ...]
+    held_text: str
+
+
+@dataclass(slots=True)
+class _TokenIds:
+    """Gives each text delta the ids of the tokens generated since the last one, so that
+    the store's log holds, with the text, the tokens it came from (a continuation's)."""
+
+    given: int = 0
+
+    def attach(self, event: StreamEvent, token_ids: Sequence[int]) -> StreamEvent:
+        if not isinstance(event, TextDelta) or len(token_ids) <= self.given:
+            return event
+        new = tuple(token_ids[self.given :])
+        self.given = len(token_ids)
+        return TextDelta(event.text, event.tokens, new)
 
 
 def _without_none(**kwargs: Any) -> dict[str, Any]:

@@ -83,7 +83,7 @@ class _Prefill:
     def __init__(self, done: Callable[[Outcome], None]) -> None:
         self._done = done
 
-    def on_delta(self, job: Job, text: str) -> None:
+    def on_delta(self, job: Job, text: str, token_ids: tuple[int, ...] = ()) -> None:
         pass
 
     def on_tool_call_delta(self, job: Job, delta: ToolCallDelta) -> None:

@@ -36,6 +36,8 @@ TOKENS_PER_BLOCK = 32  # KvCacheConfig.tokens_per_block's default (llmapi/llm_ar
 DEFAULT_REPLY = "Hello from the stand-in engine, one word at a time."
 UINT64_MAX = 2**64 - 1
 WORKER_PROCESS_ENV = "TRTLLM_STANDIN_WORKER_PROCESS"
+REPLY_ENV = "TRTLLM_STANDIN_REPLY"
+STEP_ENV = "TRTLLM_STANDIN_STEP_S"
 
 worker_log = logging.getLogger("tensorrt_llm")  # the real worker logs under this name
 
@@ -48,8 +50,10 @@ class RequestError(RuntimeError):
 class Controls:
     """What the next LLMs and requests do. Tests change these; ``reset()`` restores them."""
 
-    reply: str = DEFAULT_REPLY  # text the "model" generates, then EOS
-    step_s: float = 0.002  # seconds per engine iteration
+    # Text the "model" generates, then EOS; seconds per engine iteration. A gateway
+    # process of a test takes them from the environment (TRTLLM_STANDIN_REPLY, _STEP_S).
+    reply: str = field(default_factory=lambda: os.environ.get(REPLY_ENV, DEFAULT_REPLY))
+    step_s: float = field(default_factory=lambda: float(os.environ.get(STEP_ENV, "0.002")))
     max_position_embeddings: int = 2048  # the model config's context length
     # Tokens the KV cache gets from GPU memory when KvCacheConfig.max_tokens is unset
     # (None: plenty). The worker caps its max_seq_len to what the KV cache holds.
@@ -180,6 +184,14 @@ def fail_executor(llm: Any, error: BaseException) -> None:
     executor._error_queue.put(error)
 
 
+_PIECE_IDS = 1000  # ids from here on stand for a piece's UTF-8 bytes, as one number
+
+
+def _piece(token_id: int) -> str:
+    raw = token_id - _PIECE_IDS
+    return raw.to_bytes((raw.bit_length() + 7) // 8, "big").decode()
+
+
 class StandinTokenizer:
     """A word-level toy tokenizer with the HF-style methods the LLM API exposes.
 
@@ -205,7 +217,9 @@ class StandinTokenizer:
         with self._lock:
             for piece in self._pattern.findall(text):
                 if piece not in self._ids:
-                    self._ids[piece] = len(self._ids) + 1
+                    # The same id for a piece in every process, as a real vocabulary
+                    # gives (a takeover sends one process's ids to another's engine).
+                    self._ids[piece] = _PIECE_IDS + int.from_bytes(piece.encode(), "big")
                     self._pieces[self._ids[piece]] = piece
                 ids.append(self._ids[piece])
         return ids
@@ -214,7 +228,9 @@ class StandinTokenizer:
         special = {BOS_ID, EOS_ID}
         with self._lock:
             return "".join(
-                self._pieces[t] for t in token_ids if not (skip_special_tokens and t in special)
+                self._pieces.get(t) or _piece(t)
+                for t in token_ids
+                if not (skip_special_tokens and t in special)
             )
 
     @property
@@ -345,6 +361,7 @@ class StepEngine:
             max_tokens = room
         record.max_tokens = max_tokens
         plan = self._tokenizer.encode(controls.reply, add_special_tokens=False)
+        plan = plan[self._answered(record.prompt_token_ids, plan) :]
         active = _Active(
             record=record,
             plan=[*plan, EOS_ID],
@@ -359,6 +376,18 @@ class StepEngine:
             self._waiting.append(active)
             stats._add_running(1)
             self._cond.notify()
+
+    def _answered(self, prompt: list[int], plan: list[int]) -> int:
+        """Tokens of the reply the prompt already holds after its last generation prompt.
+
+        The toy model goes on from there, as a greedy model continues its own answer
+        from its tokens; the real worker has no such rule, it just generates."""
+        marker = self._tokenizer.encode("<|assistant|>\n", add_special_tokens=False)
+        for at in range(len(prompt) - len(marker), -1, -1):
+            if prompt[at : at + len(marker)] == marker:
+                tail = prompt[at + len(marker) :]
+                return len(tail) if tail == plan[: len(tail)] else 0
+        return 0
 
     def _refusal(self, record: RequestRecord) -> str | None:
         seed = record.sampling_params.seed
