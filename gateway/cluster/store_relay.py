@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -85,31 +85,10 @@ async def relay(
             backoff = min(2 * backoff, MAX_RETRY_SECONDS)
 
     async def tail(after: int) -> None:
-        cursor = f"{after}-1" if after >= 0 else "0-0"
-        expected = after + 1 if after >= 0 else None  # the number the next frame must carry
-        backoff = RETRY_SECONDS
-        while True:
-            try:
-                entries: Any = await store.client.xread(
-                    {log_key(session_id): cursor}, block=TAIL_BLOCK_MS
-                )
-            except (RedisError, OSError) as exc:
-                # Redis is away (restarting): read on from the same place once it is back.
-                log.debug("relay of %s: the log does not answer (%s)", session_id, exc)
-                await asyncio.sleep(backoff)
-                backoff = min(2 * backoff, MAX_RETRY_SECONDS)
-                continue
-            backoff = RETRY_SECONDS
-            for _, items in entries or []:
-                for entry_id, fields in items:
-                    seq = int(entry_id.split(b"-")[0])
-                    if expected is not None and seq > expected:
-                        # Frames the log lacks (the owner was memory-only meanwhile): the
-                        # client must resume where they are kept, not read past them.
-                        wire.close(1012, "the session's log has a gap: resume again")
-                        return
-                    cursor, expected = entry_id.decode(), seq + 1
-                    await wire.write_later(fields[b"f"])
+        await tail_log(store, session_id, after, wire.write_later)
+        # Frames the log lacks (the owner was memory-only meanwhile): the client must
+        # resume where they are kept, not read past them.
+        wire.close(1012, "the session's log has a gap: resume again")
 
     async def heartbeat() -> None:
         answered = loop.time()
@@ -149,6 +128,41 @@ async def relay(
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(2.5):
                 await wire.closed()
+
+
+async def tail_log(
+    store: RedisStore, session_id: str, after: int, write: Callable[[bytes], Awaitable[None]]
+) -> None:
+    """Write each frame the session's log gets after number ``after``, as it comes; return
+    at a gap in the log (a frame missing: the owner could not log it meanwhile). While
+    Redis is away (a restart) it reads on from the same place once Redis is back."""
+    cursor = f"{after}-1" if after >= 0 else "0-0"
+    expected = after + 1 if after >= 0 else None  # the number the next frame must carry
+    backoff = RETRY_SECONDS
+    task = asyncio.current_task()
+    while True:
+        # redis-py can swallow a cancel that lands in XREAD BLOCK (its read timeout and
+        # retries turn it into an error, or into a read that goes on): the cancel must
+        # still win, or whoever cancelled this task would wait for it forever.
+        if task is not None and task.cancelling():
+            raise asyncio.CancelledError
+        try:
+            entries: Any = await store.client.xread(
+                {log_key(session_id): cursor}, block=TAIL_BLOCK_MS
+            )
+        except (RedisError, OSError) as exc:
+            log.debug("tail of %s: the log does not answer (%s)", session_id, exc)
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, MAX_RETRY_SECONDS)
+            continue
+        backoff = RETRY_SECONDS
+        for _, items in entries or []:
+            for entry_id, fields in items:
+                seq = int(entry_id.split(b"-")[0])
+                if expected is not None and seq > expected:
+                    return
+                cursor, expected = entry_id.decode(), seq + 1
+                await write(fields[b"f"])
 
 
 class Inbound:
