@@ -10,7 +10,11 @@ a client that disconnects aborts it in the engine within a step. A background on
 ``--background-retention`` seconds after the end, so ``GET ...?stream=true&
 starting_after=N`` replays what a dropped client missed, then goes on live.
 
-Who owns what: this module's registry (:class:`Background`) holds the live and retained
+With a Redis session store a background response is found on any instance
+(gateway/cluster/background.py): relayed from the log while its owner lives, taken over
+by the instance a request reaches once it is gone.
+
+Who owns what: :attr:`ResponsesHttp.background` holds this process's live and retained
 background sessions by response id; each session's actor owns its response as on the
 WebSocket; the route handlers only deliver commands and attach wires.
 """
@@ -25,6 +29,8 @@ import orjson
 
 from gateway.api.admission import Admission, Entry
 from gateway.api.status import ServerState
+from gateway.cluster import store_relay
+from gateway.cluster.background import Background, Remote, ended, latest_response
 from gateway.cluster.persistence import Persistence
 from gateway.config import GatewayConfig
 from gateway.session_table import SessionTable
@@ -35,6 +41,7 @@ from gateway.transport.sse import SseWire
 from sessions import codec, errors
 from sessions.conversation import Item
 from sessions.core import Session
+from sessions.errors import ResumeRefused
 from sessions.response_store import ResponseStore, StoredResponse
 from sessions.responses import codec as rp
 from sessions.responses.dialect import ResponsesDialect, ResponsesFraming
@@ -123,6 +130,9 @@ class ResponsesHttp:
         self._admission = admission
         self.response_store = response_store
         self._persistence = persistence
+        self._store = (
+            Background(persistence, response_store.ttl) if persistence is not None else None
+        )
         self.background: dict[str, _Live] = {}
 
     def register(self, router: Router) -> None:
@@ -167,6 +177,8 @@ class ResponsesHttp:
             return
         if body.background:
             self._keep(started["id"], session, dialect, waiter)
+            if self._store is not None:
+                await self._store.keep(started["id"], session.id, session.resume_token)
             if not body.stream:
                 # No client reads it now: its events still go, numbered, into the replay
                 # buffer, for a GET ...?stream=true&starting_after=N to pick up.
@@ -217,21 +229,21 @@ class ResponsesHttp:
         (or the client goes: a plain response is then cancelled, a background one not)."""
         code = session.can_resume(session.resume_token, after)
         if code is not None:
-            _error(
-                reply,
-                errors.ProtocolError(
-                    code,
-                    "Those events are no longer kept: retrieve the response without stream.",
-                    param="starting_after",
-                ),
-            )
+            _error(reply, _not_kept(code))
             return
         # The head goes first: attaching the wire writes what is pending at once (with
-        # the head, in one write).
-        wire = SseWire(reply)
+        # the head, in one write). A background response's events wait for the session
+        # store, so that another instance can continue from any event its client read.
+        hold = self._persistence.store if keep and self._persistence is not None else None
+        wire = SseWire(reply, hold=hold)
         with session.scheduler.write_batch:
             reply.start(200, SSE_HEADERS)
             session.resume(session.resume_token, after, wire, rotate=False)
+        await self._follow(session, wire, keep=keep)
+
+    async def _follow(self, session: Session, wire: SseWire, *, keep: bool) -> None:
+        """Until ``wire``'s stream is over; then a background session's events go on
+        into its replay buffer."""
         try:
             await wire.over.wait()
         finally:
@@ -251,7 +263,8 @@ class ResponsesHttp:
         response_id = request.params["id"]
         live = self._live(response_id, tenant)
         if request.arg("stream") == "true":
-            if live is None:
+            target = live or await self._from_store(response_id, tenant)
+            if target is None:
                 _not_found(reply, response_id, stream=True)
                 return
             after = request.arg("starting_after", "-1") or "-1"
@@ -265,12 +278,22 @@ class ResponsesHttp:
                     ),
                 )
                 return
-            await self._stream(reply, live.session, int(after), keep=True)
+            if isinstance(target, Remote):
+                await self._relay(reply, target, int(after))
+            else:
+                await self._stream(reply, target.session, int(after), keep=True)
             return
         body = live.waiter.body if live is not None else None
         stored = await self._find(response_id, tenant)
         if body is None and stored is not None:
             body = stored.body
+        if body is None:
+            # Running on another instance (or on none: then taken over here).
+            target = await self._from_store(response_id, tenant)
+            if isinstance(target, Remote):
+                body = latest_response(target.loaded)
+            elif target is not None:
+                body = target.waiter.body
         if body is None:
             _not_found(reply, response_id)
             return
@@ -282,8 +305,12 @@ class ResponsesHttp:
             return
         response_id = request.params["id"]
         live = self._live(response_id, tenant)
+        stored = None if live is not None else await self._find(response_id, tenant)
+        if live is None and stored is None:
+            live = await self._cancel_elsewhere(reply, response_id, tenant)
+            if live is None:
+                return
         if live is None:
-            stored = await self._find(response_id, tenant)
             if stored is None:
                 _not_found(reply, response_id)
             elif not stored.body.get("background"):
@@ -312,6 +339,8 @@ class ResponsesHttp:
             return
         if live is not None and self.background.pop(response_id, None) is not None:
             self._forget(live)  # (a DELETE that raced this one may have forgotten it)
+        if self._store is not None:
+            self._store.forget(response_id)
         self.response_store.delete(response_id, notify=True)
         reply.send_json(200, {"id": response_id, "object": "response.deleted", "deleted": True})
 
@@ -391,6 +420,91 @@ class ResponsesHttp:
         live = self._live(response_id, tenant)
         return live.dialect.latest if live is not None else None
 
+    # -- background responses of other processes (gateway/cluster/background.py) --------
+
+    async def _from_store(self, response_id: str, tenant: str) -> _Live | Remote | None:
+        """``tenant``'s background response from the session store: a :class:`Remote` while
+        its owner lives; once it is gone, taken over here (a :class:`_Live`)."""
+        if self._store is None:
+            return None
+        for _ in range(3):  # another instance may take it over just before this one
+            remote = await self._store.find(response_id, tenant)
+            if remote is None or self._store.owner_alive(remote):
+                return remote
+            live = await self._take_over(remote)
+            if live is not None:
+                return live
+        return None
+
+    async def _take_over(self, remote: Remote) -> _Live | None:
+        """Make the response's session this process's; its answer goes on here."""
+        assert self._persistence is not None
+        local = self._live(remote.response_id, remote.loaded.state.get("tenant", ""))
+        if local is not None:
+            return local  # taken over by another request to this process meanwhile
+        try:
+            session = await self._persistence.take_over(
+                remote.loaded, remote.token, remote.top, _UNREAD
+            )
+        except ResumeRefused as refused:
+            log.info("background %s: not taken over (%s)", remote.response_id, refused.code)
+            return None
+        dialect = session.dialect
+        assert isinstance(dialect, ResponsesDialect)
+        waiter = _Waiter()
+        if (body := latest_response(remote.loaded)) is not None:
+            if ended(remote.loaded):
+                waiter.ended(body)
+            waiter.started(body)
+        dialect.observer = waiter
+        self._keep(remote.response_id, session, dialect, waiter)
+        return self.background[remote.response_id]
+
+    async def _relay(self, reply: HttpReply, remote: Remote, after: int) -> None:
+        """SSE of a response another process holds, from the log; if that process goes
+        meanwhile, the response is taken over here and the same stream goes on."""
+        assert self._store is not None
+        if store_relay.gap(remote.loaded, after):
+            _error(reply, _not_kept("resume_gap"))
+            return
+        reply.start(200, SSE_HEADERS)
+        # Held for the store like a local stream: after a takeover the session writes here.
+        wire = SseWire(reply, hold=self._store.store)
+        last = await self._store.relay_events(remote, after, wire)
+        if last is None:
+            return
+        tenant = remote.loaded.state.get("tenant", "")
+        target = await self._from_store(remote.response_id, tenant)
+        if isinstance(target, Remote):  # another instance took it over: relay from it
+            last = await self._store.relay_events(target, last, wire)
+            return
+        if target is None or target.session.can_resume(target.session.resume_token, last):
+            return  # gone: the stream ends without its terminal event, as a drop would
+        target.session.resume(target.session.resume_token, last, wire, rotate=False)
+        await self._follow(target.session, wire, keep=True)
+
+    async def _cancel_elsewhere(
+        self, reply: HttpReply, response_id: str, tenant: str
+    ) -> _Live | None:
+        """Cancel a background response another process holds (answered here), or take it
+        over and return it for a local cancel; None once answered."""
+        target = await self._from_store(response_id, tenant)
+        if target is None:
+            _not_found(reply, response_id)
+            return None
+        if not isinstance(target, Remote):
+            return target
+        assert self._store is not None
+        body = await self._store.cancel(target)
+        if body is not None:
+            reply.send_json(200, body)
+            return None
+        live = await self._from_store(response_id, tenant)  # its owner went first
+        if live is None or isinstance(live, Remote):
+            _not_found(reply, response_id)
+            return None
+        return live
+
     def _keep(
         self, response_id: str, session: Session, dialect: ResponsesDialect, waiter: _Waiter
     ) -> None:
@@ -428,6 +542,14 @@ def _error_body(err: errors.ProtocolError) -> dict[str, Any]:
             "code": err.code,
         }
     }
+
+
+def _not_kept(code: str) -> errors.ProtocolError:
+    return errors.ProtocolError(
+        code,
+        "Those events are no longer kept: retrieve the response without stream.",
+        param="starting_after",
+    )
 
 
 def _error(reply: HttpReply, err: errors.ProtocolError) -> None:

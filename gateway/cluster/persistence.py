@@ -32,11 +32,13 @@ from redis.exceptions import RedisError
 from gateway.cluster.redis_store import Loaded, RedisStore
 from gateway.metrics import Metrics
 from gateway.session_table import SessionTable
+from gateway.transport.sse import SseWire
 from gateway.transport.wire import SocketWire
 from sessions import snapshot
 from sessions.core import Session
 from sessions.dialects import BY_NAME, DialectContext
 from sessions.errors import ResumeRefused
+from sessions.outbox import Wire
 from sessions.response_store import ResponseStore, StoredResponse
 
 log = logging.getLogger(__name__)
@@ -74,7 +76,7 @@ def response_from(data: bytes) -> StoredResponse:
 
 def _serve(wire: object, session_id: str) -> None:
     """A socket now serving ``session_id``: its held frames wait for that session's writes."""
-    if isinstance(wire, SocketWire):
+    if isinstance(wire, SocketWire | SseWire):
         wire.session_id = session_id
 
 
@@ -172,7 +174,7 @@ class Persistence:
             raise ResumeRefused("session_not_found")
         return loaded
 
-    async def take_over(self, loaded: Loaded, token: str, last: int, wire: SocketWire) -> Session:
+    async def take_over(self, loaded: Loaded, token: str, last: int, wire: Wire) -> Session:
         """Make the stored session this process's, its client on ``wire`` (replayed from
         ``last``), its answers in flight going on; else raise :class:`ResumeRefused`."""
         table = self._table

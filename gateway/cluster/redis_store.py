@@ -11,6 +11,8 @@
 - ``o:{id}``: the owner lease, this process's id with a TTL, renewed while it holds
   the session;
 - ``r:{id}``: a stored Responses response (``store: true``);
+- ``b:{id}``: a background response's session id and resume token, while a stored
+  response would live (gateway/cluster/background.py);
 - ``i:{process}``: the pub/sub channel a process that resumed a session it does not
   own forwards its client's frames on (the relay; see gateway/cluster/store_relay.py).
 
@@ -131,6 +133,10 @@ def owner_key(session_id: str) -> str:
 
 def response_key(response_id: str) -> str:
     return f"{PREFIX}r:{response_id}"
+
+
+def background_key(response_id: str) -> str:
+    return f"{PREFIX}b:{response_id}"
 
 
 def channel(process: str) -> str:
@@ -257,7 +263,8 @@ class RedisStore:
         self.buffered_bytes = 0
         self._logs: dict[str, _LogWrites] = {}
         self._states: dict[str, _StateWrites] = {}
-        self._responses: list[tuple[str, bytes | None, float]] = []  # None: delete
+        # Stored responses and background records, by key; None: delete.
+        self._responses: list[tuple[str, bytes | None, float]] = []
         self._owned: set[str] = set()
         self._trimmed: dict[str, int] = {}  # the log's first kept entry, as last trimmed
         self._log_lane = _Lane("log", LOG_FLUSHES_IN_FLIGHT)
@@ -370,12 +377,22 @@ class RedisStore:
         state.state, state.forget = None, True
 
     def put_response(self, response_id: str, data: bytes, ttl: float) -> None:
-        self._responses.append((response_id, data, ttl))
-        self._responses_due = self._state_lane.next
-        self._state_lane.wake.set()
+        self._put(response_key(response_id), data, ttl)
 
     def delete_response(self, response_id: str) -> None:
-        self._responses.append((response_id, None, 0))
+        self._responses.append((response_key(response_id), None, 0))
+        self._state_lane.wake.set()
+
+    def put_background(self, response_id: str, data: bytes, ttl: float) -> None:
+        self._put(background_key(response_id), data, ttl)
+
+    def delete_background(self, response_id: str) -> None:
+        self._responses.append((background_key(response_id), None, 0))
+        self._state_lane.wake.set()
+
+    def _put(self, key: str, data: bytes, ttl: float) -> None:
+        self._responses.append((key, data, ttl))
+        self._responses_due = self._state_lane.next
         self._state_lane.wake.set()
 
     def due(self, session_id: str | None) -> tuple[int, int]:
@@ -677,12 +694,11 @@ class RedisStore:
                 commands.append(("DEL", owner_key(session_id)))
                 keep = max(1, int(1000 * p.release_for))
                 commands.append(("PEXPIRE", state_key(session_id), keep))
-        for response_id, data, seconds in responses:
+        for key, data, seconds in responses:
             if data is None:
-                commands.append(("DEL", response_key(response_id)))
+                commands.append(("DEL", key))
             else:
-                keep = max(1, int(1000 * seconds))
-                commands.append(("SET", response_key(response_id), data, "PX", keep))
+                commands.append(("SET", key, data, "PX", max(1, int(1000 * seconds))))
         return commands
 
     def _requeue_states(
@@ -753,6 +769,10 @@ class RedisStore:
 
     async def get_response(self, response_id: str) -> bytes | None:
         data = await self.client.get(response_key(response_id))
+        return data.encode() if isinstance(data, str) else data
+
+    async def get_background(self, response_id: str) -> bytes | None:
+        data = await self.client.get(background_key(response_id))
         return data.encode() if isinstance(data, str) else data
 
     def describe(self) -> dict[str, object]:

@@ -15,6 +15,11 @@ the API's (a :data:`Messages` function):
 The wire ends the HTTP response with its last message (in the same write). The stream is
 also over once the outbox closed the wire: :attr:`SseWire.over` tells the route handler
 either way, and a response not ended yet is ended when the handler returns.
+
+With a ``hold`` (the session store, for a background response that another instance
+may take over) each message waits for the store's flush that logs its frame, as a
+WebSocket's frames do (gateway/transport/wire.py): a client never reads an event the
+store lacks, so its ``starting_after`` is always one the next instance can continue from.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import contextlib
 from collections.abc import Callable
 
 from gateway.transport.http1 import ClientDisconnected, HttpReply
+from gateway.transport.wire import MAX_HELD, Hold
 
 TERMINAL_TYPES = (b"response.completed", b"response.incomplete", b"response.failed")
 _TYPE = b'"type":"'
@@ -54,18 +60,38 @@ def chat_messages(include_usage: bool) -> Messages:
 class SseWire:
     """One SSE response as an outbox's wire (see the module docstring)."""
 
-    __slots__ = ("_ended", "_messages", "_reply", "over")
+    __slots__ = ("_ended", "_held", "_hold", "_messages", "_reply", "over", "session_id")
 
-    def __init__(self, reply: HttpReply, messages: Messages = responses_message) -> None:
+    def __init__(
+        self, reply: HttpReply, messages: Messages = responses_message, hold: Hold | None = None
+    ) -> None:
         self._reply = reply
         self._messages = messages
         self.over = asyncio.Event()
         self._ended = False  # ``over`` is set (a flag for the per-token path)
+        self._hold = hold
+        self._held = 0  # frames waiting for the store
+        self.session_id: str | None = None  # whose writes they wait for (the store sets it)
 
     def writable(self) -> bool:
-        return not self._ended and self._reply.writable
+        return not self._ended and self._reply.writable and self._held < MAX_HELD
 
     def write(self, frame: bytes) -> None:
+        if self._ended:
+            return
+        hold = self._hold
+        if hold is not None and hold.up:
+            # One callback a frame: the store calls them back in order.
+            self._held += 1
+            hold.after(hold.due(self.session_id), lambda: self._release(frame))
+            return
+        self._send(frame)
+
+    def _release(self, frame: bytes) -> None:
+        self._held -= 1
+        self._send(frame)
+
+    def _send(self, frame: bytes) -> None:
         if self._ended:
             return
         message, last = self._messages(frame)
@@ -82,7 +108,10 @@ class SseWire:
 
     def close(self, code: int, reason: str) -> None:
         """The outbox let go of this stream (the session ended, or another stream
-        took it over): the handler ends the response."""
+        took it over): the handler ends the response (after the frames held)."""
+        if self._held and self._hold is not None:
+            self._hold.after_flush(self._end)
+            return
         self._end()
 
     def _end(self) -> None:
