@@ -70,6 +70,8 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.store
 	$(BIN)/python -m bench.tenants
 	$(BIN)/python -m bench.failover
+	$(BIN)/python -m bench.failover --replicas llamacpp
+	$(BIN)/python -m bench.takeover
 
 # examples/notebook.ipynb in JupyterLab, on the project's own environment (its kernel is
 # $(VENV)'s Python). JupyterLab is installed into $(VENV) on first use. Start the gateway
