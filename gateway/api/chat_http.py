@@ -16,10 +16,9 @@ one of them.
 
 from __future__ import annotations
 
-import asyncio
-
 from gateway.api.admission import Admission, Entry
 from gateway.api.status import ServerState
+from gateway.api.waiter import Waiter
 from gateway.config import GatewayConfig
 from gateway.session_table import SessionTable
 from gateway.tenants import retry_after_header
@@ -35,27 +34,6 @@ SSE_HEADERS = (
     ("Cache-Control", "no-cache"),
     ("X-Accel-Buffering", "no"),  # nginx: pass each event on at once
 )
-
-
-class _Waiter:
-    """The HTTP side of one answer (a :class:`~sessions.chat.dialect.ChatObserver`)."""
-
-    def __init__(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.start: asyncio.Future[codec.JSON] = loop.create_future()
-        self.end: asyncio.Future[codec.JSON] = loop.create_future()
-
-    def started(self, body: codec.JSON) -> None:
-        if not self.start.done():
-            self.start.set_result(body)
-
-    def ended(self, body: codec.JSON) -> None:
-        if not self.end.done():
-            self.end.set_result(body)
-
-    def refused(self, err: errors.ProtocolError) -> None:
-        if not self.start.done():
-            self.start.set_exception(err)
 
 
 class ChatCompletionsHttp:
@@ -123,7 +101,7 @@ class ChatCompletionsHttp:
             _error(reply, err)
             return
         framing = ChatFraming()
-        waiter = _Waiter()
+        waiter = Waiter()
         session = self._table.open(
             ChatDialect(framing, waiter), framing, replay_bytes=0, kept=False, tenant=tenant
         )

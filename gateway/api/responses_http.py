@@ -10,13 +10,12 @@ a client that disconnects aborts it in the engine within a step. A background on
 ``--background-retention`` seconds after the end, so ``GET ...?stream=true&
 starting_after=N`` replays what a dropped client missed, then goes on live.
 
-With a Redis session store a background response is found on any instance
-(gateway/cluster/background.py): relayed from the log while its owner lives, taken over
-by the instance a request reaches once it is gone.
+With a Redis session store a background response is found on any instance: relayed
+from the log while its owner lives, taken over by the instance a request reaches once it
+is gone (gateway/api/background_responses.py keeps them).
 
-Who owns what: :attr:`ResponsesHttp.background` holds this process's live and retained
-background sessions by response id; each session's actor owns its response as on the
-WebSocket; the route handlers only deliver commands and attach wires.
+Who owns what: each session's actor owns its response as on the WebSocket; the route
+handlers only deliver commands and attach wires.
 """
 
 from __future__ import annotations
@@ -28,9 +27,10 @@ from typing import Any
 import orjson
 
 from gateway.api.admission import Admission, Entry
+from gateway.api.background_responses import UNREAD, BackgroundResponses, Live
 from gateway.api.status import ServerState
-from gateway.cluster import store_relay
-from gateway.cluster.background import Background, Remote, ended, latest_response
+from gateway.api.waiter import Waiter
+from gateway.cluster.background import Remote, latest_response
 from gateway.cluster.persistence import Persistence
 from gateway.config import GatewayConfig
 from gateway.session_table import SessionTable
@@ -41,7 +41,6 @@ from gateway.transport.sse import SseWire
 from sessions import codec, errors
 from sessions.conversation import Item
 from sessions.core import Session
-from sessions.errors import ResumeRefused
 from sessions.response_store import ResponseStore, StoredResponse
 from sessions.responses import codec as rp
 from sessions.responses.dialect import ResponsesDialect, ResponsesFraming
@@ -54,62 +53,6 @@ SSE_HEADERS = (
     ("X-Accel-Buffering", "no"),  # nginx: pass each event on at once
 )
 BACKGROUND_REPLAY_BYTES = 4 << 20  # a background response's events, for starting_after
-
-
-class _Waiter:
-    """The HTTP side of one response (a :class:`~sessions.responses.dialect.ResponseObserver`)."""
-
-    def __init__(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.start: asyncio.Future[codec.JSON] = loop.create_future()
-        self.end: asyncio.Future[codec.JSON] = loop.create_future()
-        self.body: codec.JSON | None = None  # the latest Response object
-
-    def started(self, body: codec.JSON) -> None:
-        self.body = body
-        if not self.start.done():
-            self.start.set_result(body)
-
-    def ended(self, body: codec.JSON) -> None:
-        self.body = body
-        if not self.end.done():
-            self.end.set_result(body)
-
-    def refused(self, err: errors.ProtocolError) -> None:
-        if not self.start.done():
-            self.start.set_exception(err)
-
-
-class _Live:
-    """A background response's session, while it runs and for the retention after."""
-
-    __slots__ = ("dialect", "expiry", "session", "waiter")
-
-    def __init__(self, session: Session, dialect: ResponsesDialect, waiter: _Waiter) -> None:
-        self.session = session
-        self.dialect = dialect
-        self.waiter = waiter
-        self.expiry: asyncio.TimerHandle | None = None
-
-
-class _Unread:
-    """The wire of a background response no client is reading: what the session sends
-    goes into its replay buffer (the outbox keeps every sent event there), nowhere else."""
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, frame: bytes) -> None:
-        """Dropped here: the outbox has kept it for a replay."""
-
-    async def write_later(self, frame: bytes) -> None:
-        """Never called: this wire is always writable."""
-
-    def close(self, code: int, reason: str) -> None:
-        """Nothing to close."""
-
-
-_UNREAD = _Unread()
 
 
 class ResponsesHttp:
@@ -130,10 +73,9 @@ class ResponsesHttp:
         self._admission = admission
         self.response_store = response_store
         self._persistence = persistence
-        self._store = (
-            Background(persistence, response_store.ttl) if persistence is not None else None
+        self.background = BackgroundResponses(
+            config.background_retention, persistence, response_store.ttl
         )
-        self.background: dict[str, _Live] = {}
 
     def register(self, router: Router) -> None:
         limit = self._config.max_message_bytes
@@ -144,9 +86,8 @@ class ResponsesHttp:
         router.add("GET", "/v1/responses/{id}/input_items", self.input_items)
 
     def close(self) -> None:
-        """Shutdown: every retained session goes now (running ones end with the gateway)."""
-        for live in list(self.background.values()):
-            self._forget(live)
+        """Shutdown: every retained background session goes now."""
+        self.background.close()
 
     # -- POST /v1/responses ------------------------------------------------------------
 
@@ -159,7 +100,7 @@ class ResponsesHttp:
         except errors.ProtocolError as err:
             _error(reply, err)
             return
-        waiter = _Waiter()
+        waiter = Waiter()
         dialect = ResponsesDialect(self.response_store, waiter)
         session = self._table.open(
             dialect,
@@ -176,13 +117,11 @@ class ResponsesHttp:
             _error(reply, err)
             return
         if body.background:
-            self._keep(started["id"], session, dialect, waiter)
-            if self._store is not None:
-                await self._store.keep(started["id"], session.id, session.resume_token)
+            await self.background.keep(started["id"], session, dialect, waiter)
             if not body.stream:
                 # No client reads it now: its events still go, numbered, into the replay
                 # buffer, for a GET ...?stream=true&starting_after=N to pick up.
-                session.outbox.attach(_UNREAD)
+                session.outbox.attach(UNREAD)
         if body.stream:
             await self._stream(reply, session, -1, keep=body.background)
         elif body.background:
@@ -252,7 +191,7 @@ class ResponsesHttp:
                 # Ends it in the engine within a step if it still runs (client gone).
                 session.close("disconnected")
             elif not session.ending:
-                session.outbox.attach(_UNREAD)  # the rest, kept for the next GET
+                session.outbox.attach(UNREAD)  # the rest, kept for the next GET
 
     # -- the routes of one response ------------------------------------------------------
 
@@ -261,9 +200,8 @@ class ResponsesHttp:
         if tenant is None:
             return
         response_id = request.params["id"]
-        live = self._live(response_id, tenant)
         if request.arg("stream") == "true":
-            target = live or await self._from_store(response_id, tenant)
+            target = await self.background.find(response_id, tenant)
             if target is None:
                 _not_found(reply, response_id, stream=True)
                 return
@@ -283,13 +221,14 @@ class ResponsesHttp:
             else:
                 await self._stream(reply, target.session, int(after), keep=True)
             return
+        live = self.background.get(response_id, tenant)
         body = live.waiter.body if live is not None else None
         stored = await self._find(response_id, tenant)
         if body is None and stored is not None:
             body = stored.body
         if body is None:
             # Running on another instance (or on none: then taken over here).
-            target = await self._from_store(response_id, tenant)
+            target = await self.background.find(response_id, tenant)
             if isinstance(target, Remote):
                 body = latest_response(target.loaded)
             elif target is not None:
@@ -304,12 +243,17 @@ class ResponsesHttp:
         if tenant is None:
             return
         response_id = request.params["id"]
-        live = self._live(response_id, tenant)
+        live = self.background.get(response_id, tenant)
         stored = None if live is not None else await self._find(response_id, tenant)
         if live is None and stored is None:
-            live = await self._cancel_elsewhere(reply, response_id, tenant)
-            if live is None:
+            found = await self.background.cancel_elsewhere(response_id, tenant)
+            if not isinstance(found, Live):
+                if found is None:
+                    _not_found(reply, response_id)
+                else:
+                    reply.send_json(200, found)  # cancelled by the instance that held it
                 return
+            live = found
         if live is None:
             if stored is None:
                 _not_found(reply, response_id)
@@ -332,15 +276,12 @@ class ResponsesHttp:
         if tenant is None:
             return
         response_id = request.params["id"]
-        live = self._live(response_id, tenant)
+        live = self.background.get(response_id, tenant)
         stored = await self._find(response_id, tenant)
         if live is None and stored is None:
             _not_found(reply, response_id)  # another tenant's: as if it did not exist
             return
-        if live is not None and self.background.pop(response_id, None) is not None:
-            self._forget(live)  # (a DELETE that raced this one may have forgotten it)
-        if self._store is not None:
-            self._store.forget(response_id)
+        self.background.delete(response_id)
         self.response_store.delete(response_id, notify=True)
         reply.send_json(200, {"id": response_id, "object": "response.deleted", "deleted": True})
 
@@ -400,11 +341,6 @@ class ResponsesHttp:
         reply.send_json(refused.status, _error_body(err), refused.headers)
         return None
 
-    def _live(self, response_id: str, tenant: str) -> _Live | None:
-        """``tenant``'s background response ``response_id``, while it is kept."""
-        live = self.background.get(response_id)
-        return live if live is not None and live.session.tenant == tenant else None
-
     async def _find(self, response_id: str, tenant: str) -> StoredResponse | None:
         """``tenant``'s finished response: the store's (this process's, else the session
         store's), or a retained background one's. Another tenant's is not found."""
@@ -417,120 +353,22 @@ class ResponsesHttp:
             stored = self.response_store.get(response_id, tenant)
             if stored is not None:
                 return stored
-        live = self._live(response_id, tenant)
+        live = self.background.get(response_id, tenant)
         return live.dialect.latest if live is not None else None
 
-    # -- background responses of other processes (gateway/cluster/background.py) --------
-
-    async def _from_store(self, response_id: str, tenant: str) -> _Live | Remote | None:
-        """``tenant``'s background response from the session store: a :class:`Remote` while
-        its owner lives; once it is gone, taken over here (a :class:`_Live`)."""
-        if self._store is None:
-            return None
-        for _ in range(3):  # another instance may take it over just before this one
-            remote = await self._store.find(response_id, tenant)
-            if remote is None or self._store.owner_alive(remote):
-                return remote
-            live = await self._take_over(remote)
-            if live is not None:
-                return live
-        return None
-
-    async def _take_over(self, remote: Remote) -> _Live | None:
-        """Make the response's session this process's; its answer goes on here."""
-        assert self._persistence is not None
-        local = self._live(remote.response_id, remote.loaded.state.get("tenant", ""))
-        if local is not None:
-            return local  # taken over by another request to this process meanwhile
-        try:
-            session = await self._persistence.take_over(
-                remote.loaded, remote.token, remote.top, _UNREAD
-            )
-        except ResumeRefused as refused:
-            log.info("background %s: not taken over (%s)", remote.response_id, refused.code)
-            return None
-        dialect = session.dialect
-        assert isinstance(dialect, ResponsesDialect)
-        waiter = _Waiter()
-        if (body := latest_response(remote.loaded)) is not None:
-            if ended(remote.loaded):
-                waiter.ended(body)
-            waiter.started(body)
-        dialect.observer = waiter
-        self._keep(remote.response_id, session, dialect, waiter)
-        return self.background[remote.response_id]
-
     async def _relay(self, reply: HttpReply, remote: Remote, after: int) -> None:
-        """SSE of a response another process holds, from the log; if that process goes
+        """SSE of a response another process holds, from its log; if that process goes
         meanwhile, the response is taken over here and the same stream goes on."""
-        assert self._store is not None
-        if store_relay.gap(remote.loaded, after):
+        if self.background.gap(remote, after):
             _error(reply, _not_kept("resume_gap"))
             return
         reply.start(200, SSE_HEADERS)
         # Held for the store like a local stream: after a takeover the session writes here.
-        wire = SseWire(reply, hold=self._store.store)
-        last = await self._store.relay_events(remote, after, wire)
-        if last is None:
-            return
-        tenant = remote.loaded.state.get("tenant", "")
-        target = await self._from_store(remote.response_id, tenant)
-        if isinstance(target, Remote):  # another instance took it over: relay from it
-            last = await self._store.relay_events(target, last, wire)
-            return
-        if target is None or target.session.can_resume(target.session.resume_token, last):
-            return  # gone: the stream ends without its terminal event, as a drop would
-        target.session.resume(target.session.resume_token, last, wire, rotate=False)
-        await self._follow(target.session, wire, keep=True)
-
-    async def _cancel_elsewhere(
-        self, reply: HttpReply, response_id: str, tenant: str
-    ) -> _Live | None:
-        """Cancel a background response another process holds (answered here), or take it
-        over and return it for a local cancel; None once answered."""
-        target = await self._from_store(response_id, tenant)
-        if target is None:
-            _not_found(reply, response_id)
-            return None
-        if not isinstance(target, Remote):
-            return target
-        assert self._store is not None
-        body = await self._store.cancel(target)
-        if body is not None:
-            reply.send_json(200, body)
-            return None
-        live = await self._from_store(response_id, tenant)  # its owner went first
-        if live is None or isinstance(live, Remote):
-            _not_found(reply, response_id)
-            return None
-        return live
-
-    def _keep(
-        self, response_id: str, session: Session, dialect: ResponsesDialect, waiter: _Waiter
-    ) -> None:
-        live = _Live(session, dialect, waiter)
-        self.background[response_id] = live
-        retention = self._config.background_retention
-
-        def retain(_: object) -> None:
-            live.expiry = asyncio.get_running_loop().call_later(
-                retention, self._expire, response_id
-            )
-
-        waiter.end.add_done_callback(retain)
-
-    def _expire(self, response_id: str) -> None:
-        live = self.background.pop(response_id, None)
+        assert self._persistence is not None
+        wire = SseWire(reply, hold=self._persistence.store)
+        live = await self.background.relay(remote, after, wire)
         if live is not None:
-            self._forget(live)
-
-    def _forget(self, live: _Live) -> None:
-        if live.expiry is not None:
-            live.expiry.cancel()
-        live.session.close("disconnected")
-        for response_id, other in list(self.background.items()):
-            if other is live:
-                del self.background[response_id]
+            await self._follow(live.session, wire, keep=True)
 
 
 def _error_body(err: errors.ProtocolError) -> dict[str, Any]:
