@@ -70,6 +70,16 @@ async def test_the_other_gateway_streams_retrieves_and_cancels_a_running_one(
         assert cancelled.json()["status"] == "cancelled"
         assert (await on_a.get(long_url)).json()["status"] == "cancelled"
 
+        # A DELETE sent to B of one running on A stops it there and deletes it from the
+        # store. (A keeps its own copy: docs/deployment.md, background responses.)
+        doomed = await background(on_a, "And one to delete")
+        doomed_url = f"/v1/responses/{doomed['id']}"
+        deleted = await on_b.delete(doomed_url)
+        assert deleted.status_code == 200, deleted.text
+        assert deleted.json() == {"id": doomed["id"], "object": "response.deleted", "deleted": True}
+        assert (await on_b.get(doomed_url)).status_code == 404
+        assert (await on_a.get(doomed_url)).json()["status"] == "cancelled"
+
 
 async def test_a_killed_gateways_answer_goes_on_from_the_other_one(
     redis_server: RedisServer,

@@ -278,8 +278,14 @@ class ResponsesHttp:
         response_id = request.params["id"]
         live = self.background.get(response_id, tenant)
         stored = await self._find(response_id, tenant)
-        if live is None and stored is None:
-            _not_found(reply, response_id)  # another tenant's: as if it did not exist
+        # Running on another instance: cancelled there (or taken over here, and ended
+        # below); another tenant's, or none: as if it did not exist.
+        if (
+            live is None
+            and stored is None
+            and await self.background.cancel_elsewhere(response_id, tenant) is None
+        ):
+            _not_found(reply, response_id)
             return
         self.background.delete(response_id)
         self.response_store.delete(response_id, notify=True)
