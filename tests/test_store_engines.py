@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs xllamacpp and the bundled model",
 )
 
-MAX_TOKENS = 120  # greedy: each answer runs to this limit, long enough to be cut
+MAX_TOKENS = 80  # greedy: each answer runs to this limit, long enough to be cut
 STORY = "Write a long story about a dragon who learns to bake bread."
 
 
@@ -145,6 +145,7 @@ async def test_a_rolling_restart_mid_answer_continues_each_answer(
             answer: dict[str, Any] = await chat.resume(other.url())
             assert answer["type"] == "session.resumed", answer
             await chat.until("response.done")
-            await pair.finish_restart(turn)
+            if turn == 0:  # a fresh gateway in its place, for the next turn to move to
+                await pair.finish_restart(turn)
         check_answers(chat, 2, cuts)
         await engine.idle()
