@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import resource
+import secrets
 import signal
 import socket
 import subprocess
@@ -345,6 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="max life of a client secret",
     )
+    security.add_argument(
+        "--client-secret-key-file",
+        metavar="FILE",
+        help="signs a sha256: line's client secrets (default: random)",
+    )
     security.add_argument("--tls-cert", metavar="FILE", help="PEM certificate: serve https, wss")
     security.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     security.add_argument(
@@ -437,6 +443,12 @@ def _checked_key_file(path: str | None) -> str | None:
     return path
 
 
+def _checked_client_secret_key(path: str | None) -> str | None:
+    if path is not None:
+        auth.read_client_secret_key(path)
+    return path
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         host=args.host,
@@ -450,6 +462,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         api_keys=auth.read_api_keys(args.api_key),
         api_key_file=_checked_key_file(args.api_key_file),
         client_secret_ttl=args.client_secret_ttl,
+        client_secret_key_file=_checked_client_secret_key(args.client_secret_key_file),
         client_secret_url=args.client_secret_url,
         handshake_timeout=args.handshake_timeout,
         max_handshakes=args.max_handshakes,
@@ -573,6 +586,12 @@ def run_workers(args: argparse.Namespace, argv: Sequence[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="llm-gateway-") as worker_dir:
         command = [sys.executable, "-m", "gateway", *base, "--port", str(port)]
         command += ["--loop", args.loop, "--worker-dir", worker_dir]
+        if args.client_secret_key_file is None:
+            # One random key for all the workers: each accepts the client secrets the
+            # others mint for a sha256: line.
+            shared = Path(worker_dir) / "client-secret-key"
+            shared.write_text(secrets.token_urlsafe(32))
+            command += ["--client-secret-key-file", str(shared)]
         children = [
             subprocess.Popen([*command, "--worker-index", str(i)]) for i in range(args.workers)
         ]

@@ -23,6 +23,8 @@ class GatewayConfig:
     api_keys: tuple[str | KeyEntry, ...] = ()
     api_key_file: str | None = None  # read again on SIGHUP
     client_secret_ttl: int = 600  # seconds: default and longest lifetime of a client secret
+    # Signs a sha256: line's client secrets (read again on SIGHUP); None: a random one.
+    client_secret_key_file: str | None = None
     client_secret_url: str | None = None  # where the chat page gets a client secret
     handshake_timeout: float = 5.0  # seconds from TCP connect to a whole HTTP request
     max_handshakes: int = 1024  # connections still in their handshake; beyond, the oldest goes
