@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_number(int, 0),
         default=64 << 20,
         metavar="N",
-        help="stored responses, in all (default: 64 MiB)",
+        help="stored responses, per tenant (default: 64 MiB)",
     )
     limits.add_argument(
         "--response-store-ttl",

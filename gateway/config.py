@@ -44,7 +44,7 @@ class GatewayConfig:
     reuse_port: bool = False
     session_store: str = "memory"  # or redis://HOST:PORT/DB (gateway/cluster/redis_store.py)
     drain_timeout: float = 30.0  # with a store: seconds answers may finish at SIGTERM
-    response_store_bytes: int = 64 << 20  # stored Responses responses (store: true), in all
+    response_store_bytes: int = 64 << 20  # stored Responses responses (store: true), per tenant
     response_store_ttl: float = 3600.0  # seconds a stored response can be continued
     background_retention: float = 600.0  # seconds a background response's events are kept
     served_model_names: tuple[str, ...] = ()  # --served-model-name; none: any name

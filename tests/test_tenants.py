@@ -308,3 +308,18 @@ async def test_a_session_waiting_for_its_resume_leaves_room_to_resume_it(
             )
             assert (await again.recv_until("session.resumed"))["type"] == "session.resumed"
         assert gw.gateway.scheduler.tenants.sessions["alice"] <= 1
+
+
+async def test_a_tenants_stored_responses_evict_only_its_own() -> None:
+    """The response store's byte budget is each tenant's: a busy tenant's responses push
+    out its own oldest, never another tenant's."""
+    engine = SimEngine(step_ms=1, response_tokens=6)
+    async with running_gateway(engine, api_keys=(ALICE, BOB), response_store_bytes=16 << 10) as gw:
+        kept = (await post(gw, ALICE, "/v1/responses", {"model": "m", "input": "mine"})).json()
+        bobs = []
+        for i in range(40):  # each stored response is 2 KiB or more: far past the budget
+            body = {"model": "m", "input": f"busy {i}"}
+            bobs.append((await post(gw, BOB, "/v1/responses", body)).json()["id"])
+        assert (await call(gw, ALICE, "GET", f"/v1/responses/{kept['id']}")).status_code == 200
+        assert (await call(gw, BOB, "GET", f"/v1/responses/{bobs[-1]}")).status_code == 200
+        assert (await call(gw, BOB, "GET", f"/v1/responses/{bobs[0]}")).status_code == 404
