@@ -533,7 +533,7 @@ class Session:
 
         The dialect's ``response_started`` runs before this returns, and before the
         job's first step can reach the session."""
-        self.check_rate_limits()
+        self.check_rate_limits(spec.sampling.max_output_tokens)
         response_id = response_id or codec.new_id("resp")
         request = GenerationRequest(
             request_id=response_id,
@@ -558,10 +558,10 @@ class Session:
             self._open_text(response)
         return response
 
-    def check_rate_limits(self) -> None:
-        """Raise ``rate_limit_exceeded`` if the session's tenant may start no answer now
-        (its key file line's limits: gateway/tenants.py)."""
-        over = self.scheduler.tenants.refuse_request(self.tenant)
+    def check_rate_limits(self, max_output_tokens: int | None = None) -> None:
+        """Raise ``rate_limit_exceeded`` if the session's tenant may start no answer (of at
+        most ``max_output_tokens``) now (its key file line's limits: gateway/tenants.py)."""
+        over = self.scheduler.tenants.refuse_request(self.tenant, max_output_tokens)
         if over is None:
             return
         if self.metrics is not None:
