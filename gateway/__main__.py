@@ -25,6 +25,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from gateway import engines
 from gateway.api import auth
+from gateway.cluster import redis_topology
 from gateway.config import GatewayConfig
 from gateway.engines.base import EngineError, EngineUnavailableError
 from gateway.server import Gateway
@@ -117,11 +118,16 @@ command line)."""
 
 
 def session_store_url(text: str) -> str:
-    """``--session-store``: ``memory`` or a ``redis://``/``rediss://`` URL."""
+    """``--session-store``: ``memory``, or a Redis, Sentinel or Cluster URL
+    (gateway/cluster/redis_topology.py)."""
     text = text.strip()
-    if text == "memory" or text.startswith(("redis://", "rediss://", "unix://")):
+    if text == "memory":
         return text
-    raise argparse.ArgumentTypeError("use memory, or redis://HOST:PORT/DB (rediss:// for TLS)")
+    try:
+        redis_topology.parse(text)
+    except redis_topology.StoreUrlError as exc:
+        raise argparse.ArgumentTypeError(f"use memory, or {exc}") from None
+    return text
 
 
 def node_name(text: str) -> str:
@@ -274,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get(SESSION_STORE_ENV_VAR, "memory"),
         metavar="URL",
         type=session_store_url,
-        help="memory (default) or redis://HOST:PORT/DB",
+        help="memory (default), redis[+sentinel|+cluster]://",
     )
     limits.add_argument(
         "--drain-timeout",
@@ -347,9 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="max life of a client secret",
     )
     security.add_argument(
-        "--client-secret-key-file",
+        "--client-secret-key",
         metavar="FILE",
-        help="signs a sha256: line's client secrets (default: random)",
+        help="signs sha256: lines' secrets (default: random)",
     )
     security.add_argument("--tls-cert", metavar="FILE", help="PEM certificate: serve https, wss")
     security.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
@@ -462,7 +468,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         api_keys=auth.read_api_keys(args.api_key),
         api_key_file=_checked_key_file(args.api_key_file),
         client_secret_ttl=args.client_secret_ttl,
-        client_secret_key_file=_checked_client_secret_key(args.client_secret_key_file),
+        client_secret_key_path=_checked_client_secret_key(args.client_secret_key),
         client_secret_url=args.client_secret_url,
         handshake_timeout=args.handshake_timeout,
         max_handshakes=args.max_handshakes,
@@ -586,12 +592,12 @@ def run_workers(args: argparse.Namespace, argv: Sequence[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="llm-gateway-") as worker_dir:
         command = [sys.executable, "-m", "gateway", *base, "--port", str(port)]
         command += ["--loop", args.loop, "--worker-dir", worker_dir]
-        if args.client_secret_key_file is None:
+        if args.client_secret_key is None:
             # One random key for all the workers: each accepts the client secrets the
             # others mint for a sha256: line.
             shared = Path(worker_dir) / "client-secret-key"
             shared.write_text(secrets.token_urlsafe(32))
-            command += ["--client-secret-key-file", str(shared)]
+            command += ["--client-secret-key", str(shared)]
         children = [
             subprocess.Popen([*command, "--worker-index", str(i)]) for i in range(args.workers)
         ]

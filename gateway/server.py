@@ -81,7 +81,7 @@ class Gateway:
         )
         self.response_store = ResponseStore(config.response_store_bytes, config.response_store_ttl)
         dialects = DialectContext(self.response_store, config.max_parallel_per_session)
-        # Without --client-secret-key-file: this process's own, kept across SIGHUPs.
+        # Without --client-secret-key: this process's own, kept across SIGHUPs.
         self._random_client_secret_key = secrets.token_bytes(32)
         self.admission = Admission(self._credentials(), config.allowed_origins)
         self.scheduler.tenants.limits = self.admission.credentials.limits
@@ -305,12 +305,12 @@ class Gateway:
 
     def _credentials(self) -> auth.Credentials:
         """The keys of the flags and the variable, then --api-key-file's as it is now (and
-        --client-secret-key-file's key)."""
+        --client-secret-key's key)."""
         keys: list[str | KeyEntry] = []  # the file first: a key there keeps its name, limits
         if self.config.api_key_file is not None:
             keys += auth.read_key_file(self.config.api_key_file)
         keys += self.config.api_keys
-        path = self.config.client_secret_key_file
+        path = self.config.client_secret_key_path
         return auth.Credentials(
             keys,
             max_secret_ttl=self.config.client_secret_ttl,

@@ -159,7 +159,7 @@ def test_a_hash_lines_secrets_cannot_be_minted_by_whoever_reads_the_key_file() -
         mac = hmac.digest(signing, payload, "sha256")[:16]
         forged = "ek_" + base64.urlsafe_b64encode(payload + mac).decode().rstrip("=")
         assert credentials.tenant_of(forged) is None
-    # Gateways given one --client-secret-key-file accept each other's; another does not.
+    # Gateways given one --client-secret-key accept each other's; another does not.
     shared = b"k" * 32
     one = auth.Credentials([bob], client_secret_key=shared)
     minted = one.mint(bob).value

@@ -19,6 +19,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from bench.sse_server import SseServer
+from gateway.cluster.store_writes import log_key, state_key
 from tests.support.gateway_processes import TIMEOUT, RollingPair, gateways
 from tests.support.redis_server import RedisServer, redis_server_fixture  # noqa: F401
 from tests.support.responses_harness import ResponsesClient
@@ -268,7 +269,7 @@ async def test_a_redis_restart_mid_stream_loses_nothing_delivered(
         await second.ask("Hi")
         await second.until("response.done")
         async with asyncio.timeout(TIMEOUT):
-            while not redis_server.client().exists(f"llmgw:s:{second.session_id}"):
+            while not redis_server.client().exists(state_key(second.session_id)):
                 await asyncio.sleep(0.05)
 
 
@@ -335,12 +336,12 @@ async def test_a_closed_session_leaves_no_keys(redis_server: RedisServer) -> Non
         await chat.ask("Hello")
         await chat.until("response.done")
         client = redis_server.client()
-        assert client.exists(f"llmgw:s:{chat.session_id}", f"llmgw:l:{chat.session_id}") == 2
-        assert client.pttl(f"llmgw:s:{chat.session_id}") > 0  # they would expire anyway
+        assert client.exists(state_key(chat.session_id), log_key(chat.session_id)) == 2
+        assert client.pttl(state_key(chat.session_id)) > 0  # they would expire anyway
         assert chat.ws is not None
         await chat.ws.close()
         async with asyncio.timeout(TIMEOUT):
-            while client.keys(f"llmgw:*{chat.session_id}"):
+            while client.keys(f"llmgw:*{chat.session_id}*"):
                 await asyncio.sleep(0.05)
 
 
@@ -429,7 +430,7 @@ async def test_a_takeover_keeps_the_responses_turns_waiting_for_a_slot(
             session, token = c.session_id, c.resume_token
             stored = redis_server.client()
             async with asyncio.timeout(TIMEOUT):
-                while '"waiting":[[null,[{' not in (stored.get(f"llmgw:s:{session}") or ""):
+                while '"waiting":[[null,[{' not in (stored.get(state_key(session)) or ""):
                     await asyncio.sleep(0.02)
             seen += [await c.recv() for _ in range(2)]
             a.kill()

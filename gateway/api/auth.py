@@ -15,7 +15,7 @@ secrets, and removing a key from the configuration revokes the secrets it minted
 
 A ``sha256:`` line of the key file holds no key to derive from, and what it does hold
 is no secret from whoever reads the file: its client secrets are signed with a key
-derived from the gateway's own client-secret key (``--client-secret-key-file``, the
+derived from the gateway's own client-secret key (``--client-secret-key``, the
 same on every host; without it, a random one made at start and shared by the
 ``--workers`` of one parent) and the line's hash.
 """
@@ -180,10 +180,10 @@ MIN_CLIENT_SECRET_KEY_BYTES = 16
 
 
 def read_client_secret_key(path: str) -> bytes:
-    """``--client-secret-key-file``: the secret (at least 16 bytes, surrounding blanks
+    """``--client-secret-key``: the secret (at least 16 bytes, surrounding blanks
     aside) that signs a ``sha256:`` line's client secrets on every gateway given it.
     Raises :class:`KeyConfigError` naming the file."""
-    source = f"--client-secret-key-file {path}"
+    source = f"--client-secret-key {path}"
     try:
         data = Path(path).read_bytes().strip()
     except OSError as exc:
