@@ -283,6 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory (default), redis[+sentinel|+cluster]://",
     )
     limits.add_argument(
+        "--session-lease",
+        type=_number(float, 0.3),
+        default=3.0,
+        metavar="N",
+        help="a session's lease, seconds",
+    )
+    limits.add_argument(
         "--drain-timeout",
         type=_number(float, 0),
         default=30.0,
@@ -487,6 +494,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         background_retention=args.background_retention,
         session_store=args.session_store,
         drain_timeout=args.drain_timeout,
+        session_lease=args.session_lease,
         coalesce=not args.no_coalesce,
         responses_websocket=not args.no_responses_websocket,
         instructions=args.instructions,

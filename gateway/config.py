@@ -44,6 +44,7 @@ class GatewayConfig:
     reuse_port: bool = False
     session_store: str = "memory"  # or a Redis, Sentinel or Cluster URL (cluster/redis_topology.py)
     drain_timeout: float = 30.0  # with a store: seconds answers may finish at SIGTERM
+    session_lease: float = 3.0  # with a store: a session's lease (a dead owner's wait)
     response_store_bytes: int = 64 << 20  # stored Responses responses (store: true), per tenant
     response_store_ttl: float = 3600.0  # seconds a stored response can be continued
     background_retention: float = 600.0  # seconds a background response's events are kept

@@ -93,6 +93,7 @@ class Gateway:
                 config.session_store,
                 process_id(config.node),
                 resume_window=config.resume_window,
+                lease_seconds=config.session_lease,
                 metrics=self.metrics,
                 write_batch=self.write_batch,
             )

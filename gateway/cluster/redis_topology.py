@@ -239,9 +239,13 @@ class ClusterTopology(Topology):
             found.release(connection)
 
     async def refresh(self) -> None:
-        self._ready = False
-        await self.cluster.initialize()
-        self._ready = True
+        if not self._ready:
+            await self.cluster.initialize()  # the first: nodes and slots from scratch
+            self._ready = True
+            return
+        # A slot map read again from the nodes now: a replica promoted since (the
+        # client's own initialize() refreshes only after errors of its own commands).
+        await self.cluster.nodes_manager.initialize()
 
     async def publish(self, channel: str, message: bytes) -> int:
         if not self._ready:

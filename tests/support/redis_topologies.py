@@ -56,6 +56,9 @@ class Topology(Protocol):
         """Until another server took over ``killed``'s keys; the seconds it took since
         this call."""
 
+    def replicas_of(self, primary: RedisServer) -> list[RedisServer]:
+        """The servers that replicate ``primary`` (one of them replaces it if it dies)."""
+
 
 class Single:
     """One ``redis-server``: the topology with a single point of failure."""
@@ -77,6 +80,9 @@ class Single:
 
     def wait_replaced(self, killed: RedisServer) -> float:
         raise AssertionError("a single Redis has nothing to promote")
+
+    def replicas_of(self, primary: RedisServer) -> list[RedisServer]:
+        return []
 
 
 class SentinelGroup:
@@ -144,7 +150,7 @@ class SentinelGroup:
     def primary(self) -> RedisServer:
         """The server the sentinels name as primary now."""
         with self.sentinels[0].client() as s:
-            host, port = s.sentinel_get_master_addr_by_name(SERVICE)
+            _host, port = s.sentinel_get_master_addr_by_name(SERVICE)
         return next(r for r in self.servers if r.port == int(port))
 
     def primary_for(self, key: str) -> RedisServer:
@@ -163,6 +169,9 @@ class SentinelGroup:
                         return time.monotonic() - began
             assert time.monotonic() - began < FAILOVER_TIMEOUT, "no replica was promoted"
             time.sleep(_POLL)
+
+    def replicas_of(self, primary: RedisServer) -> list[RedisServer]:
+        return [r for r in self.servers if r is not primary and r.running]
 
     def _wait_replicas_synced(self, primary: RedisServer) -> None:
         deadline = time.monotonic() + FAILOVER_TIMEOUT
@@ -201,8 +210,15 @@ class ClusterGroup:
         assert cli is not None, "redis-cli is installed with redis-server (redis-tools)"
         addresses = [f"{n.host}:{n.port}" for n in self.nodes]
         subprocess.run(
-            [cli, "--cluster", "create", *addresses, "--cluster-replicas", str(self._replicas)]
-            + ["--cluster-yes"],
+            [
+                cli,
+                "--cluster",
+                "create",
+                *addresses,
+                "--cluster-replicas",
+                str(self._replicas),
+                "--cluster-yes",
+            ],
             check=True,
             capture_output=True,
             timeout=60,
@@ -241,6 +257,13 @@ class ClusterGroup:
                 if start <= slot <= end:
                     return next(n for n in self.nodes if n.port == int(master[1]))
         raise AssertionError(f"no node serves slot {slot}")
+
+    def replicas_of(self, primary: RedisServer) -> list[RedisServer]:
+        with primary.client() as c:
+            own = c.execute_command("CLUSTER", "MYID")
+            lines = c.execute_command("CLUSTER", "REPLICAS", own)
+        ports = {int(line.split()[1].split("@")[0].rsplit(":", 1)[1]) for line in lines}
+        return [n for n in self.nodes if n.port in ports]
 
     def wait_replaced(self, killed: RedisServer) -> float:
         began = time.monotonic()
