@@ -105,10 +105,18 @@ class Lane:
 
     async def run(self) -> None:
         """Forever: the flushes, and after a failure a backoff and the topology again."""
+        task = asyncio.current_task()
         while True:
+            # redis-py can lose a cancel that lands in a read, a send or a connect, or turn
+            # it into an error of its own: the cancel must still win, or close() would
+            # wait for this task forever.
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError
             try:
                 await self._serve()
             except Exception as exc:
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError from exc
                 # A lane outlives whatever its connections do: a dead lane would hold
                 # every socket's frames for good (each waits for its next flush).
                 if not isinstance(exc, RedisError | OSError):
@@ -121,9 +129,14 @@ class Lane:
                 self.wake.set()
 
     async def _serve(self) -> None:
+        task = asyncio.current_task()
         await self.wake.wait()  # connect when there is something to write (not while idle)
         try:
             while True:
+                # A cancel that landed as a send completed is lost by asyncio.wait_for
+                # before Python 3.12 (redis-py sends through it): it must still win.
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError
                 await self.wake.wait()  # something to send; room again; a reader ended
                 for channel in self._channels.values():
                     if channel.reader is not None and channel.reader.done():
@@ -167,8 +180,11 @@ class Lane:
 
     async def _read(self, node: str, channel: _Channel) -> None:
         """``node``'s replies, flush by flush, in the order they were sent."""
+        task = asyncio.current_task()
         try:
             while True:
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError  # lost in redis-py (see _serve)
                 if not channel.waiting:
                     channel.more.clear()
                     await channel.more.wait()

@@ -63,6 +63,7 @@ for k = 1, #KEYS, 2 do
   at = at + 7
   local status = fence(okey, token, take == 'n' or retake, lease)
   if status ~= -2 then
+    local retaken = status == -3
     status = -1
     local top = -1
     local last = redis.call('xrevrange', lkey, '+', '-', 'COUNT', 1)
@@ -81,11 +82,11 @@ for k = 1, #KEYS, 2 do
           t = string.sub(ids, istart, istop and istop - 1 or -1)
           istart = (istop or #ids) + 1
         end
-        if n > top then
+        if n > top then  -- pcall: an id the stream had once (trimmed since) is refused
           if t == '' then
-            redis.call('xadd', lkey, n .. '-1', 'f', frame)
+            redis.pcall('xadd', lkey, n .. '-1', 'f', frame)
           else
-            redis.call('xadd', lkey, n .. '-1', 'f', frame, 't', t)
+            redis.pcall('xadd', lkey, n .. '-1', 'f', frame, 't', t)
           end
         end
         n = n + 1
@@ -96,6 +97,7 @@ for k = 1, #KEYS, 2 do
     if status == -1 then
       if trim ~= '' then redis.call('xtrim', lkey, 'MINID', trim .. '-0') end
       redis.call('pexpire', lkey, ttl)
+      if retaken then status = -3 end
     end
   end
   out[#out + 1] = status
