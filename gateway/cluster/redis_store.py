@@ -55,12 +55,20 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
-from redis.exceptions import RedisError
+from redis.exceptions import (
+    ClusterError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.cluster import redis_topology, store_scripts
 from gateway.cluster.store_lanes import Batch, Lane
@@ -97,6 +105,20 @@ LEASE_SECONDS = 3.0
 # the number a log must hold already (its gap check) is then known.
 LOG_FLUSHES_IN_FLIGHT = 1
 STATE_FLUSHES_IN_FLIGHT = 8
+# A read (a resume's load, a takeover's lease) is tried again for this long while Redis
+# fails over (its primary gone, READONLY, CLUSTERDOWN...): a failover costs a client a wait,
+# not its session. A Sentinel or a cluster replaces a primary within seconds.
+PATIENCE_SECONDS = 10.0
+FAILING_OVER = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ReadOnlyError,
+    ClusterError,
+    TryAgainError,
+    RedisClusterException,
+    OSError,
+)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -513,12 +535,25 @@ class RedisStore:
             commands[node] = [append_call(head, [(s, parts[s]) for s in g]) for g in slot_groups]
             order[node] = slot_groups
 
+        answered: set[str] = set()  # sessions whose node has replied
+
         def replies(node: str, answers: list[Any]) -> None:
             for ids, reply in zip(order[node], answers, strict=True):
                 for session_id, status in zip(ids, store_scripts.statuses(reply), strict=True):
+                    answered.add(session_id)
                     self._logged(session_id, status, tops.get(session_id))
 
-        return Batch(commands, replies, lambda: self._requeue_logs(taken), frame_bytes)
+        def requeue() -> None:
+            # Another node failed the flush after this one replied (a cluster's master
+            # killed): what the nodes that replied wrote stays written, and what they said
+            # a log lacks _rewrite has queued already. Queued again, such a part would go
+            # before that, and the script, which numbers frames from the first one's,
+            # would log them twice, the second time under the wrong numbers.
+            written = [taken.pop(s) for s in answered if s in taken]
+            self.buffered_bytes -= sum(len(f) for p in written for _, f in p.frames)
+            self._requeue_logs(taken)
+
+        return Batch(commands, replies, requeue, frame_bytes)
 
     def _logged(self, session_id: str, status: int, top: int | None) -> None:
         if session_id not in self._tokens:
@@ -685,9 +720,12 @@ class RedisStore:
         if self.topology.replicated:
             # On the same connection: WAIT counts that connection's writes.
             commands.append(("WAIT", 1, redis_topology.WAIT_REPLICA_MS))
-        taken, *_ = await self.topology.execute_on(key, commands)
+        taken, *_ = await self.patiently(lambda: self.topology.execute_on(key, commands))
         if not taken:
-            return False
+            # A take tried again (its first reply lost with a primary) finds its own token.
+            held = await self.patiently(lambda: self.client.get(key))
+            if (held.decode() if isinstance(held, bytes) else held) != token:
+                return False
         self._tokens[session_id] = token
         self._leased.add(session_id)
         return True
@@ -758,7 +796,27 @@ class RedisStore:
 
     # -- reads (a resume on a process that does not hold the session) ---------------
 
+    async def patiently(self, read: Callable[[], Awaitable[T]]) -> T:
+        """``read()``, tried again while Redis fails over (up to :data:`PATIENCE_SECONDS`);
+        then its error, as a ``RedisError``."""
+        backoff, deadline = 0.05, time.monotonic() + PATIENCE_SECONDS
+        while True:
+            try:
+                return await read()
+            except FAILING_OVER as exc:
+                if time.monotonic() > deadline or self._closing.is_set():
+                    if isinstance(exc, RedisError):
+                        raise
+                    raise RedisConnectionError(str(exc)) from exc
+            await asyncio.sleep(backoff)
+            backoff = min(0.5, 2 * backoff)
+            with contextlib.suppress(*FAILING_OVER):
+                await self.topology.refresh()
+
     async def load(self, session_id: str) -> Loaded | None:
+        return await self.patiently(lambda: self._load(session_id))
+
+    async def _load(self, session_id: str) -> Loaded | None:
         pipe = self.client.pipeline(transaction=False)
         pipe.get(state_key(session_id))
         pipe.xrange(log_key(session_id))
@@ -777,17 +835,17 @@ class RedisStore:
 
     async def owner(self, session_id: str) -> str | None:
         """The process holding ``session_id``'s lease now (None: nobody)."""
-        token = await self.client.get(owner_key(session_id))
+        token = await self.patiently(lambda: self.client.get(owner_key(session_id)))
         if isinstance(token, bytes):
             token = token.decode()
         return token_process(token) if token else None
 
     async def get_response(self, response_id: str) -> bytes | None:
-        data = await self.client.get(response_key(response_id))
+        data = await self.patiently(lambda: self.client.get(response_key(response_id)))
         return data.encode() if isinstance(data, str) else data
 
     async def get_background(self, response_id: str) -> bytes | None:
-        data = await self.client.get(background_key(response_id))
+        data = await self.patiently(lambda: self.client.get(background_key(response_id)))
         return data.encode() if isinstance(data, str) else data
 
     def describe(self) -> dict[str, object]:
