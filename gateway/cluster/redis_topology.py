@@ -246,6 +246,10 @@ class ClusterTopology(Topology):
         # A slot map read again from the nodes now: a replica promoted since (the
         # client's own initialize() refreshes only after errors of its own commands).
         await self.cluster.nodes_manager.initialize()
+        # The node redis-py asks for the keys of a command whose keys it cannot find
+        # itself (XREAD ... STREAMS: a relay's tail) is set by its own initialize() only:
+        # left on a primary that was killed, every such command would fail for good.
+        self.cluster.commands_parser.node = self.cluster.nodes_manager.default_node
 
     async def publish(self, channel: str, message: bytes) -> int:
         if not self._ready:

@@ -166,6 +166,10 @@ async def tail_log(
             log.debug("tail of %s: the log does not answer (%s)", session_id, exc)
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, MAX_RETRY_SECONDS)
+            # A failover: the primaries learnt again (a relaying process may write
+            # nothing itself, so no lane of its own would).
+            with contextlib.suppress(RedisError, OSError):
+                await store.topology.refresh()
             continue
         backoff = RETRY_SECONDS
         for _, items in entries or []:
