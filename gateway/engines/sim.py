@@ -18,6 +18,11 @@ whose last user message names one gets one call of the first tool named, with
 ``tool_choice`` ``required`` calls the first tool whatever the message says, a
 named function is always called, ``none`` never calls. After a tool's output
 the answer quotes that output verbatim.
+
+It reports log probabilities when asked, deterministic ones so that tests can check
+them (:func:`token_logprob`, :func:`prompt_logprobs`): a token's depends on its
+text and its place in the answer alone, so a continued answer's are those the
+first gateway would have sent.
 """
 
 from __future__ import annotations
@@ -41,8 +46,11 @@ from gateway.engines.base import (
     FinishReason,
     GenerationRequest,
     Message,
+    PromptLogprobs,
     PromptTokens,
     StepOutput,
+    TextDelta,
+    TokenLogprob,
     Tool,
     ToolCallDelta,
     Usage,
@@ -125,6 +133,37 @@ def answer_tokens(prompt: str, length: int) -> list[str]:
     return tokens
 
 
+_PROMPT_TOKEN_RE = re.compile(r"<\|\w+\|>|\s*\w+|\s*[^\w\s]|\s+")
+
+
+def token_logprob(token: str, position: int, top: int) -> TokenLogprob:
+    """The sim's log probability of ``token`` at ``position`` (from 0) of an answer, with
+    ``top`` alternatives: the token itself first, then other words, each less likely."""
+    logprob = -0.05 - 0.125 * (position % 8)
+    raw = token.encode()
+    if not top:
+        return TokenLogprob(token, logprob, raw)
+    lead = " " if token.startswith(" ") else ""
+    others = [w for w in _WORDS if lead + w != token]
+    start = position % len(others)
+    alternatives = [
+        TokenLogprob(text, logprob - 0.75 * (k + 1), text.encode())
+        for k, text in enumerate(lead + others[(start + k) % len(others)] for k in range(top - 1))
+    ]
+    return TokenLogprob(token, logprob, raw, (TokenLogprob(token, logprob, raw), *alternatives))
+
+
+def prompt_logprobs(prompt: str, top: int) -> PromptLogprobs:
+    """The rendered ``prompt``'s tokens (the pieces it splits into, joined: the prompt)
+    with the sim's log probabilities: its first token has none, the others
+    :func:`token_logprob`'s, by their place in the prompt."""
+    pieces = _PROMPT_TOKEN_RE.findall(prompt)
+    return PromptLogprobs(
+        pieces[0] if pieces else "",
+        tuple(token_logprob(p, i, top) for i, p in enumerate(pieces[1:], 1)),
+    )
+
+
 def tool_call_plan(request: GenerationRequest) -> tuple[ToolCallDelta, ...]:
     """The call the sim makes for ``request``, as the deltas it streams; () for a text answer.
 
@@ -188,6 +227,8 @@ class _Stream:
     usage_in: int
     generated: int = 0  # the whole answer's: a continuation starts at what was sent
     aborted: bool = False  # abort() asked: confirmed and dropped at the next step
+    logprobs: int | None = None  # the request's SamplingParams.logprobs
+    prompt_logprobs: PromptLogprobs | None = None  # reported with the prompt's tokens
 
 
 def _after(tokens: list[str | ToolCallDelta], sent: str) -> list[str | ToolCallDelta]:
@@ -204,6 +245,8 @@ def _after(tokens: list[str | ToolCallDelta], sent: str) -> list[str | ToolCallD
 class SimEngine(Engine):
     name = "sim"
     can_continue = True
+    reports_logprobs = True
+    reports_prompt_logprobs = True
 
     def __init__(
         self,
@@ -296,7 +339,13 @@ class SimEngine(Engine):
         # The budget and the usage are the whole answer's, what was sent before included.
         if budget is not None and sent + len(tokens) > budget:
             tokens, finish = tokens[: max(0, budget - sent)], "length"
-        return _Stream(request.request_id, deque(tokens), finish, count_tokens(messages), sent)
+        stream = _Stream(request.request_id, deque(tokens), finish, count_tokens(messages), sent)
+        stream.logprobs = request.sampling.logprobs
+        if request.sampling.prompt_logprobs is not None:
+            stream.prompt_logprobs = prompt_logprobs(
+                render(messages), request.sampling.prompt_logprobs
+            )
+        return stream
 
     async def _step_loop(self) -> None:
         # Steps fall due on a fixed clock, as on a GPU that computes whatever the
@@ -349,9 +398,17 @@ class SimEngine(Engine):
         if stream.tokens:
             if not stream.generated:
                 out.append((rid, PromptTokens(stream.usage_in)))
+            if stream.prompt_logprobs is not None:
+                out.append((rid, stream.prompt_logprobs))
+                stream.prompt_logprobs = None
+            token = stream.tokens.popleft()
+            if stream.logprobs is not None and isinstance(token, str):
+                logprob = token_logprob(token, stream.generated, stream.logprobs)
+                out.append((rid, TextDelta(token, logprobs=(logprob,))))
+            else:
+                out.append((rid, token))
             stream.generated += 1
             self.tokens_generated += 1
-            out.append((rid, stream.tokens.popleft()))
         if stream.tokens:
             return False
         out.append((rid, Finished(stream.finish, Usage(stream.usage_in, stream.generated))))
