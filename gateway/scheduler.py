@@ -74,16 +74,19 @@ class Outcome:
 class JobSink(Protocol):
     """Where a job's results go (the owning session). Called on the event loop thread."""
 
-    def on_delta(
+    def on_delta(self, job: Job, text: str, token_ids: tuple[int, ...] = ()) -> None:
+        """``token_ids``: what the text was decoded from, where the engine gave them
+        (TextDelta.token_ids), for the session store's log; () otherwise."""
+
+    def on_logprobs_delta(
         self,
         job: Job,
         text: str,
+        logprobs: tuple[TokenLogprob, ...],
         token_ids: tuple[int, ...] = (),
-        logprobs: tuple[TokenLogprob, ...] | None = None,
     ) -> None:
-        """``token_ids``: what the text was decoded from, where the engine gave them
-        (TextDelta.token_ids), for the session store's log; () otherwise. ``logprobs``:
-        its tokens' log probabilities when the request asked (None otherwise)."""
+        """A text delta of a request that asked for log probabilities, with its tokens'
+        (a method of its own: a request without them pays nothing for them)."""
 
     def on_prompt_logprobs(self, job: Job, logprobs: PromptLogprobs) -> None:
         """The prompt's own log probabilities (asked by SamplingParams.prompt_logprobs),
@@ -340,7 +343,7 @@ class Scheduler:
                 job.output_tokens += output.tokens
                 if output.logprobs is not None:
                     if merged is None:
-                        self._deliver(job, text, now, logprobs=output.logprobs)
+                        self._deliver_logprobs(job, text, now, output.logprobs)
                         continue
                     if merged_logprobs is None:
                         merged_logprobs = {}
@@ -352,7 +355,10 @@ class Scheduler:
                 if merged is not None and (earlier := merged.pop(job, None)):
                     # What came before it, first.
                     lps = merged_logprobs.pop(job, None) if merged_logprobs else None
-                    self._deliver(job, "".join(earlier), now, logprobs=_logprobs(lps))
+                    if lps is None:
+                        self._deliver(job, "".join(earlier), now)
+                    else:
+                        self._deliver_logprobs(job, "".join(earlier), now, tuple(lps))
                     if job.state == "done":  # its delivery failed
                         continue
                 try:
@@ -371,33 +377,48 @@ class Scheduler:
             for job, parts in merged.items():
                 text = parts[0] if len(parts) == 1 else "".join(parts)
                 if merged_logprobs and (lps := merged_logprobs.get(job)) is not None:
-                    self._deliver(job, text, now, logprobs=tuple(lps))
+                    self._deliver_logprobs(job, text, now, tuple(lps))
                 else:
                     self._deliver(job, text, now)
 
-    def _deliver(
-        self,
-        job: Job,
-        text: str,
-        now: float,
-        token_ids: tuple[int, ...] = (),
-        logprobs: tuple[TokenLogprob, ...] | None = None,
-    ) -> None:
+    def _deliver(self, job: Job, text: str, now: float, token_ids: tuple[int, ...] = ()) -> None:
         if job.parts:
             self.metrics.inter_token.observe(now - job.last_token_at)
         else:
             self.metrics.ttft.observe(now - job.submitted_at)
         job.last_token_at = now
         try:
-            if token_ids or logprobs is not None:
-                job.sink.on_delta(job, text, token_ids, logprobs)
+            if token_ids:
+                job.sink.on_delta(job, text, token_ids)
             else:
                 job.sink.on_delta(job, text)
         except Exception as exc:  # a bug costs its job, not the batch's other jobs
             self._sink_failed(job, exc)
             return
         job.parts.append(text)  # after it went out: the final text is what was sent
-        if logprobs and job.logprobs is not None:
+
+    def _deliver_logprobs(
+        self,
+        job: Job,
+        text: str,
+        now: float,
+        logprobs: tuple[TokenLogprob, ...],
+        token_ids: tuple[int, ...] = (),
+    ) -> None:
+        """:meth:`_deliver`'s twin for a request that asked for log probabilities (kept
+        apart, so that one that did not pays nothing for them)."""
+        if job.parts:
+            self.metrics.inter_token.observe(now - job.last_token_at)
+        else:
+            self.metrics.ttft.observe(now - job.submitted_at)
+        job.last_token_at = now
+        try:
+            job.sink.on_logprobs_delta(job, text, logprobs, token_ids)
+        except Exception as exc:  # a bug costs its job, not the batch's other jobs
+            self._sink_failed(job, exc)
+            return
+        job.parts.append(text)
+        if job.logprobs is not None:
             job.logprobs += logprobs
 
     def _sink_failed(self, job: Job, exc: Exception) -> None:
@@ -411,7 +432,10 @@ class Scheduler:
         carries its token ids (never merged: the ids go with their own text)."""
         if isinstance(output, TextDelta):
             job.output_tokens += output.tokens
-            self._deliver(job, output.text, now, output.token_ids, output.logprobs)
+            if output.logprobs is None:
+                self._deliver(job, output.text, now, output.token_ids)
+            else:
+                self._deliver_logprobs(job, output.text, now, output.logprobs, output.token_ids)
             return
         if isinstance(output, ToolCallDelta):
             job.last_token_at = now
@@ -504,7 +528,3 @@ class Scheduler:
     def _update_gauges(self) -> None:
         self.metrics.running.set(self.running)
         self.metrics.queued.set(self._queued)
-
-
-def _logprobs(merged: list[TokenLogprob] | None) -> tuple[TokenLogprob, ...] | None:
-    return tuple(merged) if merged is not None else None

@@ -433,15 +433,22 @@ class Session:
 
     # JobSink: called by the scheduler on the event loop thread.
 
-    def on_delta(
+    def on_delta(self, job: Job, text: str, token_ids: tuple[int, ...] = ()) -> None:
+        response = self._responses[job]
+        if response.text_index != 0:  # a response with tools: see _text_of_tool_response
+            self._text_of_tool_response(response, text, None)
+            return
+        self.outbox.put_delta(response.delta_key, response.item_id, text, token_ids)
+
+    def on_logprobs_delta(
         self,
         job: Job,
         text: str,
+        logprobs: tuple[TokenLogprob, ...],
         token_ids: tuple[int, ...] = (),
-        logprobs: tuple[TokenLogprob, ...] | None = None,
     ) -> None:
         response = self._responses[job]
-        if response.text_index != 0:  # a response with tools: see _text_of_tool_response
+        if response.text_index != 0:
             self._text_of_tool_response(response, text, logprobs)
             return
         self.outbox.put_delta(response.delta_key, response.item_id, text, token_ids, logprobs)

@@ -95,12 +95,15 @@ class _Prefill:
     def __init__(self, done: Callable[[Outcome], None]) -> None:
         self._done = done
 
-    def on_delta(
+    def on_delta(self, job: Job, text: str, token_ids: tuple[int, ...] = ()) -> None:
+        pass
+
+    def on_logprobs_delta(
         self,
         job: Job,
         text: str,
+        logprobs: tuple[TokenLogprob, ...],
         token_ids: tuple[int, ...] = (),
-        logprobs: tuple[TokenLogprob, ...] | None = None,
     ) -> None:
         pass
 
