@@ -136,21 +136,27 @@ def answer_tokens(prompt: str, length: int) -> list[str]:
 _PROMPT_TOKEN_RE = re.compile(r"<\|\w+\|>|\s*\w+|\s*[^\w\s]|\s+")
 
 
+_LEADING = {lead: tuple(lead + word for word in _WORDS) for lead in ("", " ")}
+
+
 def token_logprob(token: str, position: int, top: int) -> TokenLogprob:
     """The sim's log probability of ``token`` at ``position`` (from 0) of an answer, with
-    ``top`` alternatives: the token itself first, then other words, each less likely."""
+    ``top`` alternatives: the token itself first, then other words (from the word list,
+    at a place that moves with ``position``), each less likely than the one before."""
     logprob = -0.05 - 0.125 * (position % 8)
     raw = token.encode()
     if not top:
         return TokenLogprob(token, logprob, raw)
-    lead = " " if token.startswith(" ") else ""
-    others = [w for w in _WORDS if lead + w != token]
-    start = position % len(others)
-    alternatives = [
-        TokenLogprob(text, logprob - 0.75 * (k + 1), text.encode())
-        for k, text in enumerate(lead + others[(start + k) % len(others)] for k in range(top - 1))
-    ]
-    return TokenLogprob(token, logprob, raw, (TokenLogprob(token, logprob, raw), *alternatives))
+    words = _LEADING[" " if token.startswith(" ") else ""]
+    alternatives = [TokenLogprob(token, logprob, raw)]
+    at = position
+    while len(alternatives) < top:
+        text = words[at % len(words)]
+        at += 1
+        if text != token:
+            value = logprob - 0.75 * len(alternatives)
+            alternatives.append(TokenLogprob(text, value, text.encode()))
+    return TokenLogprob(token, logprob, raw, tuple(alternatives))
 
 
 def prompt_logprobs(prompt: str, top: int) -> PromptLogprobs:

@@ -235,7 +235,11 @@ class ChatDialect:
                 }
                 for c in calls
             ]
-        logprobs = None if outcome.logprobs is None else cc.logprobs_json(outcome.logprobs)
+        # The whole answer's log probabilities are for ``stream: false`` (the body the route
+        # answers with): a stream's client has them all in its chunks already.
+        logprobs = None
+        if outcome.logprobs is not None and not body.stream:
+            logprobs = cc.logprobs_json(outcome.logprobs)
         completion = {
             **self._head,
             "object": "chat.completion",
