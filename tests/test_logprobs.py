@@ -285,7 +285,13 @@ async def test_an_engine_that_cannot_report_them_refuses_with_a_400() -> None:
         # Without them the same engine answers.
         ok = await raw_post(gw, {"messages": [{"role": "user", "content": "Hi"}]})
         assert ok.status_code == 200
-    assert engine.requests[-1].sampling.logprobs is None
+        assert engine.requests[-1].sampling.logprobs is None
+        # A generate: false turn only warms the cache: it asks the engine for none.
+        url = gw.ws_url.replace("/v1/realtime", "/v1/responses")
+        async with ResponsesClient.connect(url) as c:
+            warmed = await c.respond(input="Hi", include=LOGPROBS, generate=False)
+        assert warmed.response["status"] == "completed"
+        assert engine.requests[-1].sampling.logprobs is None
 
 
 async def test_the_sim_reports_the_prompts_own_logprobs_first() -> None:

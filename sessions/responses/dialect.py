@@ -419,7 +419,8 @@ class ResponsesDialect:
         request = GenerationRequest(
             request_id=response_id,
             messages=messages,
-            sampling=replace(sampling, max_output_tokens=1),
+            # A token to warm the cache with, whose log probabilities nobody reads.
+            sampling=replace(sampling, max_output_tokens=1, logprobs=None),
             affinity_key=core.affinity(turn.body.affinity_key) or lane.affinity_key,
         )
         job = Job(
