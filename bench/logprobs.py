@@ -133,8 +133,9 @@ def report(r: dict[str, Any]) -> str:
     lines = [
         "# Log probabilities (bench/logprobs.py)",
         "",
-        f"{r['cpus']} CPUs, {r['rounds']} rounds, each system a fresh process, systems "
-        "alternating within a round; medians (range).",
+        f"{r['cpus']} CPUs, {r['rounds']} rounds ({max(r['rounds'], 5)} for the in-process "
+        "path), each system a fresh process, systems alternating within a round; medians "
+        "(range).",
         "",
     ]
     token_path = r.get("path")

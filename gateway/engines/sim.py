@@ -228,12 +228,11 @@ def _cut_at_stop(tokens: list[str], stop: Sequence[str]) -> list[str]:
 @dataclass(eq=False, slots=True)
 class _Stream:
     request_id: str
-    tokens: deque[str | ToolCallDelta]
+    tokens: deque[str | TextDelta | ToolCallDelta]  # TextDelta: a token with its logprob
     finish: FinishReason
     usage_in: int
     generated: int = 0  # the whole answer's: a continuation starts at what was sent
     aborted: bool = False  # abort() asked: confirmed and dropped at the next step
-    logprobs: int | None = None  # the request's SamplingParams.logprobs
     prompt_logprobs: PromptLogprobs | None = None  # reported with the prompt's tokens
 
 
@@ -345,8 +344,16 @@ class SimEngine(Engine):
         # The budget and the usage are the whole answer's, what was sent before included.
         if budget is not None and sent + len(tokens) > budget:
             tokens, finish = tokens[: max(0, budget - sent)], "length"
-        stream = _Stream(request.request_id, deque(tokens), finish, count_tokens(messages), sent)
-        stream.logprobs = request.sampling.logprobs
+        top = request.sampling.logprobs
+        outputs: Sequence[str | TextDelta | ToolCallDelta] = tokens
+        if top is not None:  # made now, so that a step costs what it did without them
+            outputs = [
+                TextDelta(t, logprobs=(token_logprob(t, sent + i, top),))
+                if isinstance(t, str)
+                else t
+                for i, t in enumerate(tokens)
+            ]
+        stream = _Stream(request.request_id, deque(outputs), finish, count_tokens(messages), sent)
         if request.sampling.prompt_logprobs is not None:
             stream.prompt_logprobs = prompt_logprobs(
                 render(messages), request.sampling.prompt_logprobs
@@ -404,17 +411,11 @@ class SimEngine(Engine):
         if stream.tokens:
             if not stream.generated:
                 out.append((rid, PromptTokens(stream.usage_in)))
-            if stream.prompt_logprobs is not None:
-                out.append((rid, stream.prompt_logprobs))
-                stream.prompt_logprobs = None
-            token = stream.tokens.popleft()
-            if stream.logprobs is not None and isinstance(token, str):
-                logprob = token_logprob(token, stream.generated, stream.logprobs)
-                out.append((rid, TextDelta(token, logprobs=(logprob,))))
-            else:
-                out.append((rid, token))
+                if stream.prompt_logprobs is not None:
+                    out.append((rid, stream.prompt_logprobs))
             stream.generated += 1
             self.tokens_generated += 1
+            out.append((rid, stream.tokens.popleft()))
         if stream.tokens:
             return False
         out.append((rid, Finished(stream.finish, Usage(stream.usage_in, stream.generated))))
