@@ -171,6 +171,7 @@ class Gateway:
     def health(self) -> dict[str, object]:
         return {
             "status": "ok",
+            "ready": self.ready,  # what /readyz answers, beside which worker says it
             "engine": self.engine.name,
             "model": self.model,
             "engine_details": self.engine.describe(),
