@@ -301,8 +301,7 @@ class ResponsesDialect:
         self._ready.extendleft(reversed(skipped))
 
     def _lane_error(self, err: errors.ProtocolError, lane: Lane) -> None:
-        if self.core.metrics is not None:
-            self.core.metrics.errors.labels(code=err.code).inc()
+        self.core.note_refusal(err)
         self.error(err, lane.stream_id)
 
     def _history(self, lane: Lane, body: rp.CreateBody) -> StoredResponse | None:
@@ -370,6 +369,7 @@ class ResponsesDialect:
             affinity_key=core.affinity(body.affinity_key) or lane.affinity_key,
             metadata=body.metadata,
             tag=turn,
+            model=body.model or "",
         )
         response = core.start_response(spec)
         if response is None:
