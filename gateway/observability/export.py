@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 MAX_QUEUE = 4096  # spans waiting; beyond, new ones are dropped
 BATCH = 512  # spans per export request
-DELAY = 1.0  # seconds a span may wait for a batch to fill
+DELAY = 0.5  # seconds a span may wait for a batch to fill
 
 
 class QueuedExport(SpanProcessor):

@@ -21,7 +21,7 @@ from gateway.observability.trace_context import TraceContext
 Kind = Literal["http", "answer", "connection", "refusal"]
 
 MAX_CLIENT_REQUEST_ID = 512  # OpenAI's limit for X-Client-Request-Id
-_CLIENT_ID = re.compile(r"[\x21-\x7e]{1,512}")  # visible ASCII: nothing a log line could split on
+_CLIENT_ID = re.compile(r"[\x20-\x7e]{1,512}")  # printable ASCII: no line break, no control
 
 
 def new_request_id() -> str:
@@ -37,7 +37,7 @@ def peer_address(address: object) -> str:
 
 
 def client_request_id(value: str | None) -> str | None:
-    """A client's ``X-Client-Request-Id`` as the log keeps it: visible ASCII, at most 512
+    """A client's ``X-Client-Request-Id`` as the log keeps it: printable ASCII, at most 512
     characters; anything else is not kept (it would be the client writing our log)."""
     if value is None or _CLIENT_ID.fullmatch(value) is None:
         return None
