@@ -130,7 +130,7 @@ class _Family:
         return family
 
 
-class _Histogram:
+class Histogram:
     """Counts per bucket (``le`` is inclusive, as Prometheus defines it) and a sum."""
 
     def __init__(self, name: str, doc: str, buckets: Sequence[float]) -> None:
@@ -162,7 +162,7 @@ class _Histogram:
         )
 
 
-class _HistogramFamily:
+class HistogramFamily:
     """A histogram per combination of label values."""
 
     def __init__(
@@ -172,13 +172,13 @@ class _HistogramFamily:
         self.doc = doc
         self.buckets = buckets
         self.labelnames = tuple(labelnames)
-        self._children: dict[LabelValues, _Histogram] = {}
+        self._children: dict[LabelValues, Histogram] = {}
 
-    def labels(self, **labels: str) -> _Histogram:
+    def labels(self, **labels: str) -> Histogram:
         key = tuple(labels[n] for n in self.labelnames)
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = _Histogram(self.name, self.doc, self.buckets)
+            child = self._children[key] = Histogram(self.name, self.doc, self.buckets)
         return child
 
     def collect(self) -> Metric:
@@ -192,7 +192,7 @@ def _bound(bound: float) -> str:
     return "+Inf" if bound == math.inf else repr(float(bound))
 
 
-_Any = _Family | _Histogram | _HistogramFamily
+_Any = _Family | Histogram | HistogramFamily
 
 
 class _Collector:
@@ -367,15 +367,15 @@ class Metrics:
         self._all.append(family)
         return family
 
-    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> _Histogram:
-        histogram = _Histogram(name, doc, buckets)
+    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+        histogram = Histogram(name, doc, buckets)
         self._all.append(histogram)
         return histogram
 
     def _histograms(
         self, name: str, doc: str, buckets: Sequence[float], labels: Sequence[str] = ROUTE_STATUS
-    ) -> _HistogramFamily:
-        family = _HistogramFamily(name, doc, buckets, labels)
+    ) -> HistogramFamily:
+        family = HistogramFamily(name, doc, buckets, labels)
         self._all.append(family)
         return family
 

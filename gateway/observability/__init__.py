@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from websockets.datastructures import Headers
 
+from gateway.metrics import Histogram as _Histogram
 from gateway.metrics import Metrics
 from gateway.observability import trace_context
 from gateway.observability.access_log import AccessLog
@@ -69,6 +70,8 @@ class Observability:
 
             self.tracing = Tracing(otlp_traces_endpoint, provider_name=provider_name, worker=worker)
         self._untraced = frozenset(untraced_routes)
+        # Each route and status's three histograms (bounded: routes and statuses are).
+        self._histograms: dict[tuple[object, ...], tuple[_Histogram, _Histogram, _Histogram]] = {}
         # The tenant a request's credential names (the API layer's admission), for a
         # route that did not say.
         self.tenant_of: TenantOf | None = None
@@ -241,14 +244,21 @@ class Observability:
             self._observe(self.metrics, record)
 
     def _observe(self, m: Metrics, record: Record) -> None:
-        labels = {"route": route_label(record), "status": str(record.status)}
-        m.request_duration.labels(**labels).observe(record.duration)
-        ttft = record.time_to_first_token
-        if ttft is not None:
-            m.ttft.labels(**labels).observe(ttft)
-        wait = record.slot_wait
-        if wait is not None:
-            m.queue_wait.labels(**labels).observe(wait)
+        key = (record.kind, record.background, record.method, record.route, record.status)
+        histograms = self._histograms.get(key)
+        if histograms is None:  # the first of its route and status: its labels, once
+            labels = {"route": route_label(record), "status": str(record.status)}
+            histograms = self._histograms[key] = (
+                m.request_duration.labels(**labels),
+                m.ttft.labels(**labels),
+                m.queue_wait.labels(**labels),
+            )
+        duration, ttft, wait = histograms
+        duration.observe(record.duration)
+        if record.first_token_at and record.submitted_at:
+            ttft.observe(max(0.0, record.first_token_at - record.submitted_at))
+        if record.slot_at and record.submitted_at:
+            wait.observe(max(0.0, record.slot_at - record.submitted_at))
 
     async def close(self, grace: float = 2.0) -> None:
         """Export the spans still queued (for at most ``grace`` seconds), off the loop."""

@@ -23,11 +23,11 @@ FORMATS = ("text", "json", "off")
 _BARE = re.compile(r"[\w.:/@+\-{}]+")
 
 
-def fields(record: Record) -> dict[str, Any]:
+def fields(record: Record, *, with_time: bool = True) -> dict[str, Any]:
     """The line's fields, in order; None, 0 counts and false flags are left out."""
     r = record
     out: dict[str, Any] = {
-        "time": _iso(r.wall),
+        "time": _iso(r.wall) if with_time else None,
         "kind": r.kind,
         "client": r.client or None,
         "method": r.method or None,
@@ -65,15 +65,28 @@ def fields(record: Record) -> dict[str, Any]:
 
 def text(record: Record) -> str:
     """``CLIENT "METHOD PATH" STATUS DURATIONs key=value...`` (a socket's answer: ``"EVENT
-    PATH"``)."""
-    f = fields(record)
+    PATH"``); the log line's own prefix has the time."""
+    f = fields(record, with_time=False)
     what = f.pop("method", None) or f.pop("event", "-")
     where = f.pop("path", None) or f.get("route", "-")
     status, duration = f.pop("status", "-"), f.pop("duration")
-    head = f'{f.pop("client", "-")} "{what} {where}" {status} {duration:.6f}s'
-    for key in ("time", "kind", "route", "event"):
-        f.pop(key, None)
-    return " ".join([head, *(f"{k}={_value(v)}" for k, v in f.items())])
+    parts = [f'{f.pop("client", "-")} "{what} {where}" {status} {duration:.6f}s']
+    for key, value in f.items():
+        if key in _NOT_IN_TEXT:
+            continue
+        if value.__class__ is str:
+            quoted = value if _BARE.fullmatch(value) else orjson.dumps(value).decode()
+            parts.append(f"{key}={quoted}")
+        elif value.__class__ is float:
+            parts.append(f"{key}={value:.6f}")
+        elif value is True:
+            parts.append(f"{key}=true")
+        else:
+            parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+_NOT_IN_TEXT = frozenset(("kind", "route", "event"))
 
 
 class AccessLog:
@@ -106,14 +119,3 @@ def _iso(wall: float) -> str:
     seconds = int(wall)
     millis = int((wall - seconds) * 1000)
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
-
-
-def _value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return f"{value:.6f}"
-    if isinstance(value, int):
-        return str(value)
-    text = str(value)
-    return text if _BARE.fullmatch(text) else orjson.dumps(text).decode()
