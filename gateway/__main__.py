@@ -181,13 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=access_log.FORMATS,
         default="text",
         metavar="FORMAT",
-        help="a line per request and answer: text, json or off",
+        help="request log: text, json or off",
     )
     server.add_argument(
         "--otlp-traces-endpoint",
         type=otlp_url,
         metavar="URL",
-        help="export traces over OTLP/HTTP, e.g. http://127.0.0.1:4318/v1/traces",
+        help="export traces to this OTLP/HTTP URL",
     )
     server.add_argument(
         "--node",

@@ -620,9 +620,9 @@ class Session:
         try:
             self.scheduler.engine.check(request)
         except InvalidRequestError as exc:
-            if record is not None and self.observability is not None:
-                self.observability.not_admitted(record, exc.code)
             param = spec.logprobs_param if isinstance(exc, LogprobsUnsupportedError) else None
+            if record is not None and self.observability is not None:
+                self.observability.not_admitted(record, exc.code, param)
             raise errors.ProtocolError(exc.code, exc.message, param=param) from None
         job = Job(request, session_key=self.id, sink=self, tenant=self.tenant)
         response = ResponseState(response_id, self.free_item_id(), job, spec, response_id)

@@ -189,10 +189,12 @@ class Observability:
             self.tracing.start(record, origin if http else None)
         return record
 
-    def not_admitted(self, record: Record, code: str) -> None:
+    def not_admitted(self, record: Record, code: str, param: str | None = None) -> None:
         """An answer :meth:`answer` made a record for was refused after all (the engine's
-        queue is full): its span says so; its line is the refusal's (or its request's)."""
-        record.refused(code, None)
+        queue is full, or it cannot serve what was asked): its span says so; its line is
+        the refusal's (or its request's)."""
+        record.response_id = None  # it never was
+        record.refused(code, param)
         if record.kind == "http":
             self.release(record)
             return
