@@ -120,6 +120,45 @@ async def test_http_routes_each_leave_one_line_with_their_figures(
     assert (x["status"], x["error_code"], x.get("tenant")) == (401, "invalid_api_key", None)
 
 
+async def test_every_other_route_leaves_its_line(
+    gw: RunningGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The routes of a stored response, the models, client secrets, the probes, the page:
+    each request its line, with its route's pattern, status, tenant and request id."""
+    async with client() as http:
+        stored = (await http.post(f"{gw.http_url}/v1/responses", json={"input": "hi"})).json()
+        rid = stored["id"]
+        calls = [
+            ("GET", f"/v1/responses/{rid}", "/v1/responses/{id}", 200),
+            ("GET", f"/v1/responses/{rid}/input_items", "/v1/responses/{id}/input_items", 200),
+            ("POST", f"/v1/responses/{rid}/cancel", "/v1/responses/{id}/cancel", 400),
+            ("DELETE", f"/v1/responses/{rid}", "/v1/responses/{id}", 200),
+            ("GET", "/v1/models/sim", "/v1/models/{id}", 200),
+            ("POST", "/v1/realtime/client_secrets", "/v1/realtime/client_secrets", 200),
+            ("GET", "/healthz", "/healthz", 200),
+            ("GET", "/readyz", "/readyz", 200),
+            ("GET", "/metrics", "/metrics", 200),
+            ("GET", "/", "/", 200),
+            ("GET", "/v1/realtime", "/v1/realtime", 426),
+        ]
+        for method, path, route, status in calls:
+            answer = await http.request(
+                method, gw.http_url + path, json={} if method == "POST" else None
+            )
+            assert answer.status_code == status, (path, answer.text)
+            x = await line(
+                caplog, lambda x, a=answer: x.get("request_id") == a.headers["x-request-id"]
+            )
+            assert (x["kind"], x["method"], x["route"], x["path"], x["status"]) == (
+                "http",
+                method,
+                route,
+                path,
+                status,
+            )
+            assert x["tenant"] == "alice" and x["duration"] >= 0
+
+
 async def test_socket_answers_refusals_and_connections_each_leave_one_line(
     gw: RunningGateway, caplog: pytest.LogCaptureFixture
 ) -> None:
