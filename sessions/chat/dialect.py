@@ -136,6 +136,7 @@ class ChatDialect:
             in_conversation=False,
             affinity_key=core.affinity(body.affinity_key),
             metadata=body.metadata,
+            model=body.model or "",
         )
         if core.start_response(spec, response_id=self._head["id"]) is None:
             raise ProtocolError(
