@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
 
 from gateway.engines.base import (
+    Constraint,
     EngineError,
     GenerationRequest,
     Message,
@@ -91,6 +92,21 @@ class ResponseSpec:
     affinity_key: str | None = None  # the engine keeps this key's cache (its KV slot) warm
     metadata: dict[str, str] | None = None
     tag: object = None  # the dialect's own data for this response (its lane, its body...)
+    constraint: Constraint | None = None  # what the answer's text must match
+    parallel_tool_calls: bool = True
+
+    def request(self, response_id: str) -> GenerationRequest:
+        """What the engine is asked for this response."""
+        return GenerationRequest(
+            request_id=response_id,
+            messages=self.messages,
+            sampling=self.sampling,
+            affinity_key=self.affinity_key,
+            tools=self.tools if self.tool_choice != "none" else (),
+            tool_choice=self.tool_choice,
+            constraint=self.constraint,
+            parallel_tool_calls=self.parallel_tool_calls,
+        )
 
 
 @dataclass(eq=False, slots=True)
@@ -535,14 +551,12 @@ class Session:
         job's first step can reach the session."""
         self.check_rate_limits()
         response_id = response_id or codec.new_id("resp")
-        request = GenerationRequest(
-            request_id=response_id,
-            messages=spec.messages,
-            sampling=spec.sampling,
-            affinity_key=spec.affinity_key,
-            tools=spec.tools if spec.tool_choice != "none" else (),
-            tool_choice=spec.tool_choice,
-        )
+        request = spec.request(response_id)
+        try:
+            self.scheduler.check(request)
+        except EngineError as exc:
+            # Refused before anything is admitted: a 400, never unconstrained text.
+            raise errors.ProtocolError(exc.code, exc.message, error_type=exc.error_type) from None
         job = Job(request, session_key=self.id, sink=self, tenant=self.tenant)
         response = ResponseState(response_id, self.free_item_id(), job, spec, response_id)
         if not self.scheduler.submit(job):

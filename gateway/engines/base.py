@@ -57,13 +57,40 @@ class Message:
     tool_call_id: str | None = None
 
 
+ConstraintKind = Literal["json_object", "json_schema", "lark", "regex"]
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What generated text must match: any JSON object, a JSON Schema, a Lark grammar
+    (LLGuidance's dialect) or a regular expression. Each engine asks its own constrained
+    decoder for it (gateway/engines/grammars.py) or refuses the request; it never
+    generates unconstrained text instead.
+
+    ``definition`` is the schema as JSON text, the grammar or the regex (empty for
+    ``json_object``): text, so that what the engines compile is cached by content.
+    """
+
+    kind: ConstraintKind
+    definition: str = ""
+    name: str = ""  # the schema's or the tool's name, for messages
+
+
 @dataclass(frozen=True, slots=True)
 class Tool:
-    """A function the model may call; ``parameters`` is a JSON Schema object."""
+    """A function the model may call; ``parameters`` is a JSON Schema object.
+
+    ``strict``: its arguments must be valid against ``parameters`` whenever it is called.
+    ``freeform``: a custom tool, whose input is free text (its arguments are
+    ``{"input": TEXT}``, as the dialects offer it); ``grammar``: what that text must match.
+    """
 
     name: str
     description: str = ""
     parameters: Mapping[str, Any] = field(default_factory=dict)
+    strict: bool = False
+    freeform: bool = False
+    grammar: Constraint | None = None
 
 
 ToolChoice = Literal["auto", "none", "required"] | str
@@ -101,6 +128,19 @@ class GenerationRequest:
     # The token ids that text was generated from, where the engine reported them
     # (TextDelta.token_ids: TensorRT-LLM), so that it continues from exactly those tokens.
     continuation_token_ids: tuple[int, ...] = ()
+    # What the answer's text must match (a response format), or None: free text.
+    constraint: Constraint | None = None
+    parallel_tool_calls: bool = True  # False: at most one call
+
+    @property
+    def enforces_tools(self) -> bool:
+        """Whether a call must be made, or made valid, by constrained decoding: a required
+        or named choice, a strict tool, or a custom tool's grammar."""
+        if not self.tools:
+            return False
+        return self.tool_choice != "auto" or any(
+            t.strict or t.grammar is not None for t in self.tools
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +318,18 @@ class Engine(abc.ABC):
     def describe(self) -> dict[str, object]:
         """Extra facts for logs and ``/healthz`` (model name, context size...)."""
         return {}
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise :class:`InvalidRequestError` if the engine cannot constrain ``request``
+        as it asks (a response format, an enforced tool call, a grammar), before anything
+        is admitted: a refusal then, never unconstrained text. Called on the event loop;
+        engines cache what they compile. This default constrains nothing."""
+        if request.constraint is not None or request.enforces_tools:
+            raise InvalidRequestError(
+                "structured_output_unsupported",
+                f"the {self.name} engine cannot constrain its output (a response format, "
+                "a required or strict tool call, a custom tool's grammar)",
+            )
 
     @property
     def context_window(self) -> int | None:
