@@ -40,17 +40,18 @@ class GrammarError(InvalidRequestError):
     """The engine's grammar compiler refused a constraint: the client's to fix (a 400)."""
 
 
-def grammar(constraint: Constraint) -> str:
-    """A whole answer under ``constraint``, as a Lark grammar."""
-    return f"{LARK_HEADER}start: answer\n{rule('answer', constraint)}"
+def grammar(constraint: Constraint, *, lenient: bool = False) -> str:
+    """A whole answer under ``constraint``, as a Lark grammar. ``lenient``: JSON as the
+    schema allows it, any whitespace, no narrowing (to check an answer, not to make one)."""
+    return f"{LARK_HEADER}start: answer\n{rule('answer', constraint, lenient=lenient)}"
 
 
-def rule(name: str, constraint: Constraint) -> str:
+def rule(name: str, constraint: Constraint, *, lenient: bool = False) -> str:
     """The Lark rule ``name`` matching ``constraint`` (with a newline at its end)."""
-    if constraint.kind == "json_object":
-        return f"{name}: %json {schema_text(_ANY_OBJECT)}\n"
-    if constraint.kind == "json_schema":
-        return f"{name}: %json {schema_text(constraint.definition)}\n"
+    if constraint.kind in ("json_object", "json_schema"):
+        definition = constraint.definition if constraint.kind == "json_schema" else _ANY_OBJECT
+        body = _lenient_text(definition) if lenient else schema_text(definition)
+        return f"{name}: %json {body}\n"
     if constraint.kind == "regex":
         return f"{name}: /{_regex_literal(constraint.definition)}/\n"
     return f"{name}: %lark {{\n{constraint.definition.rstrip()}\n}}\n"
@@ -64,6 +65,16 @@ def schema_text(definition: str) -> str:
     except ValueError as exc:
         raise GrammarError("invalid_json_schema", f"the schema is not JSON: {exc}") from None
     return json_text(schema)
+
+
+def _lenient_text(definition: str) -> str:
+    try:
+        schema = json.loads(definition)
+    except ValueError as exc:
+        raise GrammarError("invalid_json_schema", f"the schema is not JSON: {exc}") from None
+    if isinstance(schema, dict):
+        schema = {**schema, "x-guidance": {"whitespace_flexible": True}}
+    return json.dumps(schema, ensure_ascii=False)
 
 
 def json_text(schema: Any) -> str:
@@ -119,3 +130,32 @@ def subject(constraint: Constraint) -> str:
     if constraint.kind in ("lark", "regex"):
         return f"the custom tool '{constraint.name}'"
     return f"response_format '{constraint.name}'" if constraint.name else "the response format"
+
+
+def accepts(grammar_text: str, text: str) -> bool:
+    """Whether ``text`` is a whole answer ``grammar_text`` accepts (a compiled grammar)."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(byte_tokenizer(), grammar_text, log_level=0)
+    consumed = matcher.try_consume_tokens(list(text.encode()))
+    return bool(consumed == len(text.encode()) and matcher.is_accepting())
+
+
+@functools.cache
+def byte_tokenizer() -> Any:
+    """An LLGuidance tokenizer whose tokens are the 256 bytes (and an end token): what
+    walks and checks texts against a grammar without a model's vocabulary."""
+    import llguidance
+
+    class Bytes:
+        eos_token_id = 256
+        bos_token_id = None
+
+        def __init__(self) -> None:
+            self.tokens = [bytes([i]) for i in range(256)] + [b"\xff<eos>"]
+            self.special_token_ids = [256]
+
+        def __call__(self, text: bytes) -> list[int]:
+            return list(text)
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Bytes()))

@@ -229,7 +229,7 @@ def _walk(grammar_text: str, seed: str) -> str:
 
     grammars.check(grammar_text, "the custom tool")
     rng = random.Random(seed)
-    matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar_text, log_level=0)
+    matcher = llguidance.LLMatcher(grammars.byte_tokenizer(), grammar_text, log_level=0)
     out = bytearray()
     while len(out) < MAX_TEXT_BYTES:
         if matcher.is_accepting() and (out or rng.random() < 0.5):
@@ -250,22 +250,3 @@ def _walk(grammar_text: str, seed: str) -> str:
         matcher.consume_token(choice)
         out.append(choice)
     raise InstanceError("the sim engine found no input within its budget for this grammar")
-
-
-@functools.cache
-def _byte_tokenizer() -> Any:
-    """An LLGuidance tokenizer whose tokens are the 256 bytes (and an end token)."""
-    import llguidance
-
-    class Bytes:
-        eos_token_id = 256
-        bos_token_id = None
-
-        def __init__(self) -> None:
-            self.tokens = [bytes([i]) for i in range(256)] + [b"\xff<eos>"]
-            self.special_token_ids = [256]
-
-        def __call__(self, text: bytes) -> list[int]:
-            return list(text)
-
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Bytes()))
