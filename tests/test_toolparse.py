@@ -10,7 +10,6 @@ import pytest
 
 from gateway.engines import trtllm
 from gateway.engines.base import (
-    EngineError,
     Finished,
     GenerationRequest,
     Message,
