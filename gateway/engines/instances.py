@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -190,16 +191,21 @@ class _Builder:
 
 
 def _integer(node: Mapping[str, Any]) -> int:
-    low = node.get("minimum")
+    """1, or the bound nearest to it (on a ``multipleOf`` step)."""
+    low, high = node.get("minimum"), node.get("maximum")
     if node.get("exclusiveMinimum") is not None:
-        low = int(node["exclusiveMinimum"]) + 1
-    value = max(int(low) if low is not None else 1, 1 if low is None else int(low))
+        low = math.floor(node["exclusiveMinimum"]) + 1
+    if node.get("exclusiveMaximum") is not None:
+        high = math.ceil(node["exclusiveMaximum"]) - 1
+    value = 1
+    if low is not None:
+        value = max(value, math.ceil(low))
+    if high is not None:
+        value = min(value, math.floor(high))
     step = node.get("multipleOf")
     if isinstance(step, int) and step > 0 and value % step:
-        value += step - value % step
-    high = node.get("maximum", node.get("exclusiveMaximum"))
-    if high is not None and value >= high:
-        value = int(low) if low is not None else int(high) - 1
+        up = value + step - value % step
+        value = up if high is None or up <= high else value - value % step
     return value
 
 
