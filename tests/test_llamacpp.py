@@ -568,6 +568,9 @@ class Borrowed(Engine):
     def abort(self, request_id: str) -> None:
         self.inner.abort(request_id)
 
+    def check(self, request: GenerationRequest) -> None:
+        self.inner.check(request)
+
     def describe(self) -> dict[str, object]:
         return self.inner.describe()
 

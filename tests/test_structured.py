@@ -1,9 +1,9 @@
-"""Structured output on the sim engine, with the clients users bring: response formats on
-both HTTP APIs (openai-python's ``parse`` and ``stream`` helpers, the Agents SDK's
-``output_type`` on both model classes, LangChain's ``with_structured_output``, the Vercel
-AI SDK's ``generateObject`` / ``streamObject``), OpenAI's strict-schema refusals, schemas
-and grammars an engine cannot compile refused before anything streams, and tool calls a
-``tool_choice`` or a custom tool's grammar makes the engine give, on all three APIs.
+"""Structured output on the sim engine with openai-python: response formats on both HTTP
+APIs (its ``parse`` and ``stream`` helpers), OpenAI's strict-schema refusals in its words,
+schemas and grammars an engine cannot compile refused before anything streams, and tool
+calls a ``tool_choice`` or a custom tool's grammar makes the engine give, on all three APIs.
+The other clients users bring run on the sim and on the bundled model in
+tests/test_structured_llamacpp.py.
 
 Answers are validated with a real JSON Schema validator (``jsonschema``); the sim answers
 a deterministic valid instance (gateway/engines/instances.py).
@@ -12,9 +12,7 @@ a deterministic valid instance (gateway/engines/instances.py).
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any, Literal
 
 import jsonschema
@@ -28,9 +26,7 @@ from gateway.engines.base import Constraint
 from gateway.engines.sim import SimEngine
 from tests.support.harness import RawClient, RunningGateway, running_gateway
 from tests.support.scripted_engine import ScriptedEngine
-from tests.test_sdk import run_program, run_sdk
 
-NODE_PROGRAM = Path(__file__).resolve().parent / "node" / "structured.mjs"
 KEY = "key-structured"
 
 
@@ -279,25 +275,6 @@ async def test_a_custom_tools_input_matches_its_grammar(gw: RunningGateway) -> N
     with pytest.raises(openai.BadRequestError) as info:
         await client(gw).responses.create(model="m", input="x", tools=[bad], tool_choice="required")
     assert isinstance(info.value.body, dict) and info.value.body["code"] == "invalid_grammar"
-
-
-def check_city(result: dict[str, Any], schema: dict[str, Any], *labels: str) -> None:
-    for label in labels:
-        jsonschema.validate(result[label], schema)
-
-
-async def test_agents_sdk_and_langchain_get_structured_output(gw: RunningGateway) -> None:
-    result = await run_sdk("structured.py", f"{gw.http_url}/v1", KEY, "m")
-    check_city(result["agents"], result["schema"], "responses", "chat")
-    check_city(result["langchain"], result["schema"], "json_schema", "function_calling")
-    assert isinstance(result["langchain"]["json_mode"], dict)
-
-
-@pytest.mark.skipif(shutil.which("node") is None, reason="Node is not installed")
-async def test_vercel_ai_sdk_generate_object_and_stream_object(gw: RunningGateway) -> None:
-    result = await run_program("node", str(NODE_PROGRAM), f"{gw.http_url}/v1", KEY, "m")
-    check_city(result, result["schema"], "responses", "chat", "streamed")
-    assert result["partials"] > 1 and result["finish"] == "stop"
 
 
 def test_the_schemas_are_what_the_clients_send() -> None:

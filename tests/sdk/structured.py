@@ -1,5 +1,6 @@
-"""Structured output from the clients people bring, unmodified, against a running gateway:
-``python structured.py BASE_URL API_KEY MODEL``.
+"""Structured output from the clients people bring, unmodified, against running gateways:
+``python structured.py API_KEY MODEL BASE_URL...`` (each gateway in turn: one start-up of
+the SDKs for several engines).
 
 - The OpenAI Agents SDK: an ``Agent`` with ``output_type`` (a pydantic model) on both of
   its model classes, ``OpenAIResponsesModel`` (``text.format`` json_schema, strict) and
@@ -8,8 +9,8 @@
   ``json_mode`` (``response_format: json_object``, a JSON Schema dict parsed as JSON) and
   ``function_calling`` (the schema as a tool, ``tool_choice`` naming it).
 
-Runs in ``.venv-sdk``. Prints one JSON object on its last line: what each client parsed
-(as plain JSON, for the test to validate against the schema), and the schema.
+Runs in ``.venv-sdk``. Prints one JSON object on its last line: the schema, and for each
+gateway what each client parsed (as plain JSON, for the test to validate against the schema).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class City(BaseModel):
     country: str
     population: int
     kind: Literal["capital", "town"]
-    landmarks: list[str]
+    landmarks: list[str] = Field(max_length=2)  # maxItems: a small model's list ends
 
 
 PROMPT = "Describe Paris, the capital of France, with two landmarks."
@@ -48,11 +49,8 @@ PROMPT = "Describe Paris, the capital of France, with two landmarks."
 async def agents(base_url: str, api_key: str, model: str) -> dict[str, Any]:
     set_tracing_disabled(True)
     client = AsyncOpenAI(base_url=base_url, api_key=api_key)
-    out: dict[str, Any] = {}
-    for label, model_class in (
-        ("responses", OpenAIResponsesModel),
-        ("chat", OpenAIChatCompletionsModel),
-    ):
+
+    async def run(model_class: Any) -> dict[str, Any]:
         agent = Agent(
             name="Describer",
             instructions="Describe the city the user names.",
@@ -61,18 +59,24 @@ async def agents(base_url: str, api_key: str, model: str) -> dict[str, Any]:
         )
         result = await Runner.run(agent, PROMPT, run_config=RunConfig(tracing_disabled=True))
         assert isinstance(result.final_output, City), result.final_output
-        out[label] = result.final_output.model_dump()
-    return out
+        return result.final_output.model_dump()
+
+    responses, chat = await asyncio.gather(
+        run(OpenAIResponsesModel), run(OpenAIChatCompletionsModel)
+    )
+    return {"responses": responses, "chat": chat}
 
 
-def langchain(base_url: str, api_key: str, model: str) -> dict[str, Any]:
+async def langchain(base_url: str, api_key: str, model: str) -> dict[str, Any]:
     llm = ChatOpenAI(model=model, base_url=base_url, api_key=api_key, max_retries=0)
-    default = llm.with_structured_output(City).invoke(PROMPT)
-    assert isinstance(default, City), default
     as_json = llm.with_structured_output(City.model_json_schema(), method="json_mode")
-    mode = as_json.invoke(f"{PROMPT} Answer in JSON.")
+    default, mode, called = await asyncio.gather(
+        llm.with_structured_output(City).ainvoke(PROMPT),
+        as_json.ainvoke(f"{PROMPT} Answer in JSON."),
+        llm.with_structured_output(City, method="function_calling").ainvoke(PROMPT),
+    )
+    assert isinstance(default, City), default
     assert isinstance(mode, dict), mode
-    called = llm.with_structured_output(City, method="function_calling").invoke(PROMPT)
     assert isinstance(called, City), called
     return {
         "json_schema": default.model_dump(),
@@ -81,13 +85,18 @@ def langchain(base_url: str, api_key: str, model: str) -> dict[str, Any]:
     }
 
 
+async def gateway(base_url: str, api_key: str, model: str) -> dict[str, Any]:
+    found, chained = await asyncio.gather(
+        agents(base_url, api_key, model), langchain(base_url, api_key, model)
+    )
+    return {"agents": found, "langchain": chained}
+
+
 def main() -> None:
-    base_url, api_key, model = sys.argv[1:4]
-    result = {
-        "schema": City.model_json_schema(),
-        "agents": asyncio.run(agents(base_url, api_key, model)),
-        "langchain": langchain(base_url, api_key, model),
-    }
+    api_key, model, *base_urls = sys.argv[1:]
+    result: dict[str, Any] = {"schema": City.model_json_schema(), "gateways": []}
+    for base_url in base_urls:
+        result["gateways"].append(asyncio.run(gateway(base_url, api_key, model)))
     print(json.dumps(result))
 
 
