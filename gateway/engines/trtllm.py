@@ -166,7 +166,7 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "--guided-decoding-backend",
         choices=trtllm_guided.BACKENDS,
         default=trtllm_guided.DEFAULT_BACKEND,
-        metavar="BACKEND",
+        metavar="B",
         help="TensorRT-LLM's constrained decoder, set when the LLM is built: llguidance"
         " (response formats, enforced tool calls, custom tools' Lark grammars), xgrammar"
         " (JSON response formats only) or none (such requests are refused with a 400,"
