@@ -61,8 +61,12 @@ def instructions(request: GenerationRequest) -> str:
         f'{OPEN}TOOL_NAME">',
         "ARGUMENTS",
         CLOSE.lstrip("\n"),
-        "ARGUMENTS is a JSON object of the tool's parameters; for a tool that takes text "
-        "input, it is that text as it is.",
+        "ARGUMENTS is a JSON object of the tool's parameters"
+        + (
+            "; for a tool that takes text input, that text as it is."
+            if any(t.freeform for t in request.tools)
+            else "."
+        ),
         "Tools:",
     ]
     for tool in request.tools:
