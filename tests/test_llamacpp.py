@@ -562,14 +562,14 @@ class Borrowed(Engine):
     async def close(self) -> None:
         pass
 
+    def check(self, request: GenerationRequest) -> None:
+        self.inner.check(request)
+
     def submit(self, request: GenerationRequest) -> None:
         self.inner.submit(request)
 
     def abort(self, request_id: str) -> None:
         self.inner.abort(request_id)
-
-    def check(self, request: GenerationRequest) -> None:
-        self.inner.check(request)
 
     def describe(self) -> dict[str, object]:
         return self.inner.describe()

@@ -13,6 +13,13 @@ only because the engine asks for progress reports (``return_progress``), one
 per prompt batch of ``prefill_batch`` tokens, so there a cancel or ``close()``
 takes effect within one batch.
 
+Log probabilities (``SamplingParams.logprobs``) go in the chat body as ``logprobs`` and
+``top_logprobs``; llama.cpp sends an entry per piece of text it streams (a piece it
+held back, such as the bytes of one character over several tokens, is one entry with
+the text and the log probability of its last token). It reports none for the prompt's
+own tokens, nor for a streamed answer with tools: such requests are refused with a 400
+(:meth:`LlamaCppEngine.check`).
+
 The server also listens on a random loopback port (it always does); the engine
 protects it with a random API key and uses its ``/apply-template`` and
 ``/tokenize`` handlers to count a conversation's tokens the way the model sees
@@ -52,18 +59,25 @@ from gateway.engines.base import (
     Finished,
     FinishReason,
     GenerationRequest,
+    LogprobsUnsupportedError,
     Message,
     Output,
     PromptTokens,
     SamplingParams,
     StreamEvent,
     TextDelta,
+    TokenLogprob,
     ToolCallDelta,
     Usage,
     chat_messages,
     fit_to_context,
 )
-from gateway.engines.openai_chat import tool_call_deltas, tools_body
+from gateway.engines.openai_chat import (
+    choice_logprobs,
+    logprobs_body,
+    tool_call_deltas,
+    tools_body,
+)
 from gateway.engines.structured import Plan, plan
 from gateway.engines.tool_format import CallText
 
@@ -415,6 +429,7 @@ class LlamaCppEngine(Engine):
     # turn open with the text in it, and the answer goes on from there (a takeover's
     # continuation, GenerationRequest.continuation: its deltas are only what follows).
     can_continue = True
+    reports_logprobs = True
 
     def __init__(
         self,
@@ -466,7 +481,7 @@ class LlamaCppEngine(Engine):
     def describe(self) -> dict[str, object]:
         return {"model": self.model_name, "ctx": self.ctx, "slots": self.slots}
 
-    def check(self, request: GenerationRequest) -> None:
+    def check_structure(self, request: GenerationRequest) -> None:
         """Compile the request's grammars (cached by content): one LLGuidance cannot
         compile is a 400 here, since llama.cpp would sample unconstrained text."""
         self._plan(request)
@@ -560,6 +575,20 @@ class LlamaCppEngine(Engine):
             # loop thread: do it off the event loop.
             await _in_thread(server.clear, "llamacpp-close")
 
+    def check(self, request: GenerationRequest) -> None:
+        sampling = request.sampling
+        if sampling.prompt_logprobs is not None:
+            raise LogprobsUnsupportedError(
+                "llama.cpp does not report log probabilities for the prompt's own tokens "
+                "(its server has no echo): ask for the answer's alone."
+            )
+        if sampling.logprobs is not None and request.tools:
+            raise LogprobsUnsupportedError(
+                "llama.cpp does not report log probabilities for a streamed answer with "
+                "tools: send the request without tools, or without logprobs."
+            )
+        super().check(request)
+
     def submit(self, request: GenerationRequest) -> None:
         rid = request.request_id
         # Not ready also while close() runs: a worker started then would outlive the model.
@@ -629,6 +658,8 @@ class LlamaCppEngine(Engine):
             if not generation.stopped:
                 self._server.handle_chat_completions(self._body(generation, messages), callback)
                 self._flush_calls(generation)
+            if isinstance(generation.failure, EngineError):
+                raise generation.failure
             if generation.failure is not None:
                 raise EngineError(
                     "engine_error", f"the llamacpp engine failed mid-answer: {generation.failure!r}"
@@ -695,6 +726,7 @@ class LlamaCppEngine(Engine):
             # A chunk after every prompt batch: during prefill, where a cancel is read.
             "return_progress": True,
             **(tools_body(generation.request) if the_plan.native_tools else {}),
+            **logprobs_body(generation.request),
             **self.sampler.body(),
         }
         if the_plan.grammar is not None:
@@ -748,9 +780,14 @@ class LlamaCppEngine(Engine):
         decoded = int(generation.timings.get("predicted_n", generation.decoded + 1))
         tokens, generation.decoded = max(1, decoded - generation.decoded), decoded
         if generation.calls is not None:  # the gateway's tool format: parse the text
+            # (never with log probabilities: check() refuses them beside tools)
             events = _counted(generation.calls.feed(text), tokens)
         else:
-            events = chunk_events(text, calls, tokens)
+            logprobs = None
+            top = generation.request.sampling.logprobs
+            if top is not None and text:
+                logprobs = _chunk_logprobs(choices, top)
+            events = chunk_events(text, calls, tokens, logprobs)
         # The loop is gone: nobody is listening, stop generating.
         rid, put = generation.request.request_id, self.outputs.put_threadsafe
         return not all(put(rid, e) for e in events)
@@ -767,12 +804,34 @@ class LlamaCppEngine(Engine):
             generation.finish_reason = "tool_calls"
 
 
-def chunk_events(text: str, calls: list[ToolCallDelta], tokens: int) -> list[Output]:
-    """What one streamed chunk hands on: its text (a plain ``str`` for one token), then
-    its call pieces; the chunk's ``tokens`` are counted once, on the first of them."""
+def _chunk_logprobs(choices: Sequence[dict[str, Any]], top: int) -> tuple[TokenLogprob, ...]:
+    """The log probabilities of a chunk's text, which a request that asked for them must
+    have (raised, not answered without them)."""
+    found: list[TokenLogprob] = []
+    for choice in choices:
+        if (choice.get("delta") or {}).get("content"):
+            logprobs = choice_logprobs(choice, top)
+            if logprobs is None:
+                raise LogprobsUnsupportedError("llama.cpp sent text without its log probabilities")
+            found += logprobs
+    return tuple(found)
+
+
+def chunk_events(
+    text: str,
+    calls: list[ToolCallDelta],
+    tokens: int,
+    logprobs: tuple[TokenLogprob, ...] | None = None,
+) -> list[Output]:
+    """What one streamed chunk hands on: its text (a plain ``str`` for one token, unless
+    it comes with ``logprobs``), then its call pieces; the chunk's ``tokens`` are counted
+    once, on the first of them."""
     events: list[Output] = []
     if text:
-        events.append(text if tokens == 1 else TextDelta(text, tokens))
+        if logprobs is not None:
+            events.append(TextDelta(text, tokens, logprobs=logprobs))
+        else:
+            events.append(text if tokens == 1 else TextDelta(text, tokens))
     for call in calls:
         events.append(replace(call, tokens=0 if events else tokens))
     return events

@@ -21,6 +21,11 @@ tool of one ``text`` parameter gets ``{"text": <that message>}``); a custom tool
 is the message, or, under a grammar, a text the grammar accepts. After a tool's output
 the answer quotes that output verbatim. An answer under a response format is a valid
 instance of its schema (gateway/engines/instances.py), its strings the answer's words.
+
+It reports log probabilities when asked, deterministic ones so that tests can check
+them (:func:`token_logprob`, :func:`prompt_logprobs`): a token's depends on its
+text and its place in the answer alone, so a continued answer's are those the
+first gateway would have sent.
 """
 
 from __future__ import annotations
@@ -46,8 +51,11 @@ from gateway.engines.base import (
     FinishReason,
     GenerationRequest,
     Message,
+    PromptLogprobs,
     PromptTokens,
     StepOutput,
+    TextDelta,
+    TokenLogprob,
     Tool,
     ToolCallDelta,
     Usage,
@@ -128,6 +136,43 @@ def answer_tokens(prompt: str, length: int) -> list[str]:
         tokens[0] = tokens[0].capitalize()
         tokens[-1] += "."
     return tokens
+
+
+_PROMPT_TOKEN_RE = re.compile(r"<\|\w+\|>|\s*\w+|\s*[^\w\s]|\s+")
+
+
+_LEADING = {lead: tuple(lead + word for word in _WORDS) for lead in ("", " ")}
+
+
+def token_logprob(token: str, position: int, top: int) -> TokenLogprob:
+    """The sim's log probability of ``token`` at ``position`` (from 0) of an answer, with
+    ``top`` alternatives: the token itself first, then other words (from the word list,
+    at a place that moves with ``position``), each less likely than the one before."""
+    logprob = -0.05 - 0.125 * (position % 8)
+    raw = token.encode()
+    if not top:
+        return TokenLogprob(token, logprob, raw)
+    words = _LEADING[" " if token.startswith(" ") else ""]
+    alternatives = [TokenLogprob(token, logprob, raw)]
+    at = position
+    while len(alternatives) < top:
+        text = words[at % len(words)]
+        at += 1
+        if text != token:
+            value = logprob - 0.75 * len(alternatives)
+            alternatives.append(TokenLogprob(text, value, text.encode()))
+    return TokenLogprob(token, logprob, raw, tuple(alternatives))
+
+
+def prompt_logprobs(prompt: str, top: int) -> PromptLogprobs:
+    """The rendered ``prompt``'s tokens (the pieces it splits into, joined: the prompt)
+    with the sim's log probabilities: its first token has none, the others
+    :func:`token_logprob`'s, by their place in the prompt."""
+    pieces = _PROMPT_TOKEN_RE.findall(prompt)
+    return PromptLogprobs(
+        pieces[0] if pieces else "",
+        tuple(token_logprob(p, i, top) for i, p in enumerate(pieces[1:], 1)),
+    )
 
 
 def tool_call_plan(request: GenerationRequest) -> tuple[ToolCallDelta, ...]:
@@ -211,11 +256,12 @@ def _cut_at_stop(tokens: list[str], stop: Sequence[str]) -> list[str]:
 @dataclass(eq=False, slots=True)
 class _Stream:
     request_id: str
-    tokens: deque[str | ToolCallDelta]
+    tokens: deque[str | TextDelta | ToolCallDelta]  # TextDelta: a token with its logprob
     finish: FinishReason
     usage_in: int
     generated: int = 0  # the whole answer's: a continuation starts at what was sent
     aborted: bool = False  # abort() asked: confirmed and dropped at the next step
+    prompt_logprobs: PromptLogprobs | None = None  # reported with the prompt's tokens
 
 
 def _after(tokens: list[str | ToolCallDelta], sent: str) -> list[str | ToolCallDelta]:
@@ -232,6 +278,8 @@ def _after(tokens: list[str | ToolCallDelta], sent: str) -> list[str | ToolCallD
 class SimEngine(Engine):
     name = "sim"
     can_continue = True
+    reports_logprobs = True
+    reports_prompt_logprobs = True
 
     def __init__(
         self,
@@ -287,7 +335,7 @@ class SimEngine(Engine):
     def context_window(self) -> int | None:
         return self.context_tokens
 
-    def check(self, request: GenerationRequest) -> None:
+    def check_structure(self, request: GenerationRequest) -> None:
         """The sim constrains anything it can make an instance of (its answers are built
         valid): a schema or grammar it cannot satisfy is refused here."""
         if request.constraint is not None:
@@ -335,7 +383,21 @@ class SimEngine(Engine):
         # The budget and the usage are the whole answer's, what was sent before included.
         if budget is not None and sent + len(tokens) > budget:
             tokens, finish = tokens[: max(0, budget - sent)], "length"
-        return _Stream(request.request_id, deque(tokens), finish, count_tokens(messages), sent)
+        top = request.sampling.logprobs
+        outputs: Sequence[str | TextDelta | ToolCallDelta] = tokens
+        if top is not None:  # made now, so that a step costs what it did without them
+            outputs = [
+                TextDelta(t, logprobs=(token_logprob(t, sent + i, top),))
+                if isinstance(t, str)
+                else t
+                for i, t in enumerate(tokens)
+            ]
+        stream = _Stream(request.request_id, deque(outputs), finish, count_tokens(messages), sent)
+        if request.sampling.prompt_logprobs is not None:
+            stream.prompt_logprobs = prompt_logprobs(
+                render(messages), request.sampling.prompt_logprobs
+            )
+        return stream
 
     async def _step_loop(self) -> None:
         # Steps fall due on a fixed clock, as on a GPU that computes whatever the
@@ -388,6 +450,8 @@ class SimEngine(Engine):
         if stream.tokens:
             if not stream.generated:
                 out.append((rid, PromptTokens(stream.usage_in)))
+                if stream.prompt_logprobs is not None:
+                    out.append((rid, stream.prompt_logprobs))
             stream.generated += 1
             self.tokens_generated += 1
             out.append((rid, stream.tokens.popleft()))

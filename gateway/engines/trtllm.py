@@ -17,6 +17,9 @@ A thin adapter over exactly these calls (TensorRT-LLM 1.x; file names below are 
   (``_torch/pyexecutor/py_executor.py``, ``_handle_canceled_requests``). So after an abort
   nothing waits for an answer: whenever the stream is left before its end (task cancelled,
   generator closed, error), ``abort()`` is called and the stream is forgotten.
+- Log probabilities: ``SamplingParams(logprobs=20, prompt_logprobs=20)`` when a request asks
+  for them, read from each output's ``logprobs`` (``logprobs_diff``) and ``prompt_logprobs``
+  (gateway/engines/trtllm_logprobs.py says how, and why 20).
 - ``llm.shutdown()`` joins the worker processes, so it runs on a thread. It queues aborts but
   promises no final outputs: :meth:`TrtllmEngine.close` ends its own streams first
   (``engine_closed``). It may re-raise a stored background error at its end
@@ -58,6 +61,7 @@ from typing import Any, TypeVar
 
 from gateway.engines import trtllm_guided
 from gateway.engines.base import (
+    MAX_TOP_LOGPROBS,
     ContextOverflowError,
     EngineError,
     EngineUnavailableError,
@@ -65,7 +69,9 @@ from gateway.engines.base import (
     FinishReason,
     GenerationRequest,
     InvalidRequestError,
+    LogprobsUnsupportedError,
     Message,
+    PromptLogprobs,
     PromptTokens,
     SamplingParams,
     StreamEvent,
@@ -80,6 +86,7 @@ from gateway.engines.structured import Plan
 from gateway.engines.tool_format import CallText
 from gateway.engines.toolparse import ToolCallText, ToolFormat, detect_format
 from gateway.engines.trtllm_guided import Guided, guided
+from gateway.engines.trtllm_logprobs import LogprobCursor, prompt_logprobs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -260,6 +267,8 @@ class TrtllmEngine(StreamingEngine):
     # From the answer's own token ids (GenerationRequest.continuation_token_ids): the
     # prompt's ids, then the answer's, with no re-tokenization.
     can_continue = True
+    reports_logprobs = True
+    reports_prompt_logprobs = True
 
     def __init__(self, settings: TrtllmSettings, *, llm: Any = None) -> None:
         """``llm``: an already loaded ``tensorrt_llm.LLM`` to serve instead of loading one
@@ -630,6 +639,11 @@ class TrtllmEngine(StreamingEngine):
             # adapter cuts the stop string from the text itself (_StopHoldback).
             include_stop_str_in_output=True,
             **({"guided_decoding": self._guided_cls(**guide)} if guide else {}),
+            # The top 20 whatever the client wants: see gateway/engines/trtllm_logprobs.py.
+            **_without_none(
+                logprobs=None if sampling.logprobs is None else MAX_TOP_LOGPROBS,
+                prompt_logprobs=None if sampling.prompt_logprobs is None else MAX_TOP_LOGPROBS,
+            ),
         )
 
     # -- generation --------------------------------------------------------------------
@@ -697,15 +711,28 @@ class TrtllmEngine(StreamingEngine):
         self._live.add(live)  # no await since generate_async: close() cannot have missed it
         held = _StopHoldback(tuple(request.sampling.stop))
         ids = _TokenIds()
+        sampling = request.sampling
+        logprobs = None
+        if sampling.logprobs is not None:
+            logprobs = LogprobCursor(llm.tokenizer, sampling.logprobs)
+        prompt_due = sampling.prompt_logprobs is not None
         lead = answer.held_text  # decoded from the answer's ids, not sent yet
         finished = False
+
+        def attach(event: StreamEvent, completion: Any) -> StreamEvent:
+            event = ids.attach(event, completion.token_ids)
+            return event if logprobs is None else logprobs.attach(event, completion)
+
         try:
             async for out in output:
                 completion = out.outputs[0]
+                if prompt_due:  # before the first delta
+                    prompt_due = False
+                    yield self._prompt_logprobs(out, completion, sampling.prompt_logprobs)
                 if completion.finish_reason is None:
                     if text := held.feed(lead + completion.text):
                         for event in calls.feed(text) if calls else [TextDelta(text)]:
-                            yield ids.attach(event, completion.token_ids)
+                            yield attach(event, completion)
                     continue
                 finished = True
                 finish: FinishReason = _finish_reason(completion.finish_reason)
@@ -713,7 +740,7 @@ class TrtllmEngine(StreamingEngine):
                 tail = [*calls.feed(text), *calls.finish()] if calls else [TextDelta(text)]
                 for event in tail:
                     if not isinstance(event, TextDelta) or event.text:
-                        yield ids.attach(event, completion.token_ids)
+                        yield attach(event, completion)
                 if calls and calls.calls and finish == "stop":
                     finish = "tool_calls"
                 yield Finished(finish, _usage(out, completion, len(answer.ids)))
@@ -740,7 +767,15 @@ class TrtllmEngine(StreamingEngine):
                 live.abort()
         raise EngineError("engine_error", "TensorRT-LLM ended the stream without a finish reason")
 
-    def check(self, request: GenerationRequest) -> None:
+    def _prompt_logprobs(self, out: Any, completion: Any, top: int | None) -> PromptLogprobs:
+        reported = completion.prompt_logprobs
+        if not reported:
+            raise LogprobsUnsupportedError(
+                "TensorRT-LLM returned no log probabilities for the prompt."
+            )
+        return prompt_logprobs(self._llm.tokenizer, out.prompt_token_ids, reported, top or 0)
+
+    def check_structure(self, request: GenerationRequest) -> None:
         """Refuse (a 400) what the guided decoding backend cannot constrain, and compile
         the grammars it will be given (trtllm_guided.py)."""
         if self._llm is not None:

@@ -6,7 +6,11 @@ them. Each generation is one streaming ``POST /v1/chat/completions`` on the
 replica the :class:`Router` picks; its SSE chunks become :class:`TextDelta`
 (and :class:`ToolCallDelta` for the ``tool_calls`` of a request with tools, which
 are forwarded as ``tools``/``tool_choice``) and its finish reason and usage one
-:class:`Finished`.
+:class:`Finished`. A request that asks for log probabilities sends ``logprobs`` and
+``top_logprobs`` on and takes the replica's back with each delta; a replica that sends
+text without them fails the request with a 400 that says so (never an answer with an
+empty list). Prompt log probabilities are refused: a streamed chat completion carries
+none (vLLM refuses ``prompt_logprobs`` with ``stream``).
 
 Cancelling closes the HTTP response before its body is read to the end, which
 closes that connection: every one of these servers aborts a generation whose
@@ -49,14 +53,22 @@ from gateway.engines.base import (
     FinishReason,
     GenerationRequest,
     InvalidRequestError,
+    LogprobsUnsupportedError,
     Message,
     StreamEvent,
     StreamingEngine,
     TextDelta,
+    TokenLogprob,
     Usage,
     chat_messages,
 )
-from gateway.engines.openai_chat import response_format_body, tool_call_deltas, tools_body
+from gateway.engines.openai_chat import (
+    choice_logprobs,
+    logprobs_body,
+    response_format_body,
+    tool_call_deltas,
+    tools_body,
+)
 
 if TYPE_CHECKING:
     import httpx
@@ -149,6 +161,7 @@ class _ReplicaFailed(Exception):
 
 class UpstreamEngine(StreamingEngine):
     name = "upstream"
+    reports_logprobs = True  # as the replicas do: one that sends none fails the request
 
     def __init__(
         self,
@@ -321,12 +334,20 @@ class UpstreamEngine(StreamingEngine):
 
     # -- generation --------------------------------------------------------------
 
+    def check(self, request: GenerationRequest) -> None:
+        if request.sampling.prompt_logprobs is not None:
+            raise LogprobsUnsupportedError(
+                "The upstream pool streams chat completions, which carry no log "
+                "probabilities for the prompt's own tokens."
+            )
+        super().check(request)
+
     @property
     def can_continue(self) -> bool:  # type: ignore[override]
         """Whether a takeover's continuation can go to some replica of the pool."""
         return any(r.continuation != "none" for r in self.replicas)
 
-    def check(self, request: GenerationRequest) -> None:
+    def check_structure(self, request: GenerationRequest) -> None:
         """Structure is passed on to the replica (and its answer checked at its end: see
         gateway/engines/answer_check.py); only a grammar for the whole answer has no
         field of the Chat Completions API to go in."""
@@ -461,7 +482,7 @@ class UpstreamEngine(StreamingEngine):
             try:
                 if response.status_code != 200:
                     raise _status_error(response.status_code, await response.aread())
-                async for event in _events(response):
+                async for event in _events(response, request.sampling.logprobs):
                     yield event
             finally:
                 await response.aclose()  # pools the connection only if the body was read to its end
@@ -481,6 +502,7 @@ class UpstreamEngine(StreamingEngine):
             "stream_options": {"include_usage": True},
             **tools_body(request),
             **response_format_body(request.constraint),
+            **logprobs_body(request),
         }
         if request.tools and not request.parallel_tool_calls:
             body["parallel_tool_calls"] = False
@@ -536,8 +558,11 @@ async def _get(client: httpx.AsyncClient, path: str) -> httpx.Response:
     )
 
 
-async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
+async def _events(
+    response: httpx.Response, logprobs: int | None = None
+) -> AsyncIterator[StreamEvent]:
     """Server-sent ``chat.completion.chunk`` events -> deltas, then one Finished.
+    ``logprobs``: the request's (each delta then carries its text's, from the chunk).
 
     The Finished comes only after the body is read to its very end: ``[DONE]``
     is followed by the chunked terminator, and a response left before that is
@@ -567,7 +592,10 @@ async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
             text = delta.get("content")
-            if text:
+            if text and logprobs is not None:
+                deltas += 1
+                yield TextDelta(text, logprobs=_text_logprobs(choice, logprobs))
+            elif text:
                 deltas += 1
                 yield TextDelta(text)
             for call in tool_call_deltas(delta):
@@ -578,6 +606,18 @@ async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
     if reason is None:
         raise _ReplicaFailed("the stream ended without a finish reason")
     yield Finished(reason, usage or Usage(0, deltas))
+
+
+def _text_logprobs(choice: dict[str, Any], top: int) -> tuple[TokenLogprob, ...]:
+    """The log probabilities that come with a choice's text; a replica that sends none
+    cannot report them (a 400: the client asked for what this pool cannot give)."""
+    logprobs = choice_logprobs(choice, top)
+    if logprobs is None:
+        raise LogprobsUnsupportedError(
+            "The upstream server returned no log probabilities with its text: it cannot "
+            "report them; ask without logprobs."
+        )
+    return logprobs
 
 
 FINISH_REASONS: dict[str, FinishReason] = {
@@ -658,6 +698,10 @@ def _status_error(status: int, body: bytes) -> Exception:
         return _ReplicaFailed(f"HTTP {status}: {message}", down=False)
     if status >= 500:  # 502/503/504: the replica (or what is in front of it) is down
         return _ReplicaFailed(f"HTTP {status}: {message}")
+    if status == 400 and "logprob" in message.lower():
+        return LogprobsUnsupportedError(
+            f"The upstream server cannot report these log probabilities: {message}"
+        )
     if status in (401, 403):
         return EngineError(
             "upstream_auth",

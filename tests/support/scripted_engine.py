@@ -72,7 +72,7 @@ class ToolLoopEngine(StreamingEngine):
         self.step_s = step_s
         self.requests: list[GenerationRequest] = []
 
-    def check(self, request: GenerationRequest) -> None:
+    def check_structure(self, request: GenerationRequest) -> None:
         """A script, not a model: its calls are fixed (and valid for the tools the tests
         offer it, strict ones too), so there is nothing to constrain and nothing refused."""
 
@@ -118,7 +118,7 @@ class CodexEngine(StreamingEngine):
         self.aborted: list[str] = []
         self.streaming = asyncio.Event()  # set at a long answer's first delta
 
-    def check(self, request: GenerationRequest) -> None:
+    def check_structure(self, request: GenerationRequest) -> None:
         """A script, not a model: its calls are fixed (and valid for the tools the tests
         offer it, strict ones too), so there is nothing to constrain and nothing refused."""
 
