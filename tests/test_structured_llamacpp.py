@@ -50,7 +50,7 @@ CODEX = (
 )
 TOKENS = 160
 
-S = {"type": "string", "maxLength": 40}
+S = {"type": "string", "maxLength": 20}
 
 
 def obj(properties: dict[str, Any], **more: Any) -> dict[str, Any]:
@@ -176,7 +176,7 @@ TOOLS: Any = [
 
 
 class Person(BaseModel):
-    name: str = Field(max_length=30)
+    name: str = Field(max_length=20)
     age: int
     languages: list[Literal["English", "French", "Korean"]] = Field(max_length=2)
 
@@ -242,7 +242,7 @@ async def test_openai_python_parse_helpers_on_the_bundled_model(gw: RunningGatew
     assert isinstance(final.output_parsed, Person)
 
 
-PROMPTS = ("What is the weather in Paris?", "Tell me a joke.", "Is it raining in London?")
+PROMPTS = ("What is the weather in Paris?", "Tell me a joke.")
 
 
 async def test_tool_choice_required_gives_a_valid_call_every_time(gw: RunningGateway) -> None:
@@ -358,7 +358,7 @@ async def test_a_grammar_llama_cpp_would_sample_past_is_a_400(
 
 
 async def test_response_formats_through_an_upstream_pool_of_llama_cpp_servers() -> None:
-    server = await asyncio.to_thread(llama_server.start, slots=3)
+    server = await asyncio.to_thread(llama_server.start, slots=2)
     try:
         async with running_gateway(UpstreamEngine([server.url])) as gw:
             c = client(gw.http_url)
