@@ -156,6 +156,10 @@ class GenerationRequest:
     # The token ids that text was generated from, where the engine reported them
     # (TextDelta.token_ids: TensorRT-LLM), so that it continues from exactly those tokens.
     continuation_token_ids: tuple[int, ...] = ()
+    # W3C Trace Context fields (traceparent, tracestate) naming the gateway's span for this
+    # answer (or the client's, when the gateway exports no traces): an engine that sends
+    # the generation to a server passes them on, so that its trace joins the client's.
+    trace_context: tuple[tuple[str, str], ...] = ()
     # What the answer's text must match (a response format), or None: free text.
     constraint: Constraint | None = None
     parallel_tool_calls: bool = True  # False: at most one call
@@ -253,7 +257,14 @@ class PromptTokens:
     cached_tokens: int = 0
 
 
-StreamEvent = TextDelta | ToolCallDelta | PromptTokens | PromptLogprobs | Finished
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """The answer moved to another replica mid-stream (an engine with replicas): it goes
+    on there from its text so far. The scheduler counts it; the answer's log line and
+    span say so."""
+
+
+StreamEvent = TextDelta | ToolCallDelta | PromptTokens | PromptLogprobs | Moved | Finished
 """What :meth:`StreamingEngine.stream` yields."""
 
 
@@ -273,7 +284,7 @@ class EngineError(Exception):
 
 
 Output: TypeAlias = (
-    str | TextDelta | ToolCallDelta | PromptTokens | PromptLogprobs | Finished | EngineError
+    str | TextDelta | ToolCallDelta | PromptTokens | PromptLogprobs | Moved | Finished | EngineError
 )
 """What an engine reports for one request. A plain ``str`` is one token of text (the
 common case, kept cheap); every request ends with one ``Finished`` or ``EngineError``."""
@@ -343,9 +354,6 @@ class Engine(abc.ABC):
     def ready(self) -> bool:
         """True once :meth:`start` has finished loading; ``/readyz`` reports it."""
         return self._ready
-
-    on_moved: Callable[[], None] | None = None
-    """Called when an answer moves to another replica mid-stream (engines with replicas)."""
 
     _failure: str | None = None
     on_failure: Callable[[str], None] | None = None

@@ -138,6 +138,7 @@ class ChatDialect:
             metadata=body.metadata,
             constraint=body.constraint,
             parallel_tool_calls=body.parallel_tool_calls,
+            model=body.model or "",
         )
         if core.start_response(spec, response_id=self._head["id"]) is None:
             raise ProtocolError(

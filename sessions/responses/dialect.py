@@ -325,8 +325,7 @@ class ResponsesDialect:
         self._ready.extendleft(reversed(skipped))
 
     def _lane_error(self, err: errors.ProtocolError, lane: Lane) -> None:
-        if self.core.metrics is not None:
-            self.core.metrics.errors.labels(code=err.code).inc()
+        self.core.note_refusal(err)
         self.error(err, lane.stream_id)
 
     def _history(self, lane: Lane, body: rp.CreateBody) -> StoredResponse | None:
@@ -398,6 +397,7 @@ class ResponsesDialect:
             constraint=formats.constraint(body.text_format) if body.text_format else None,
             parallel_tool_calls=body.parallel_tool_calls,
             logprobs_param="include",
+            model=body.model or "",
         )
         response = core.start_response(spec)
         if response is None:
