@@ -25,6 +25,10 @@ one small model once and:
      carries its tokens' log probabilities, one per generated token, their texts joined the
      answer's, the sampled token the likeliest; the prompt's come first, one per prompt
      token after the first; and a Chat Completions request with ``logprobs`` answers them;
+   - issue 38 structured: guided decoding (``--guided-decoding-backend``, llguidance by
+     default): an answer under a JSON Schema parses and holds to it, ``tool_choice``
+     ``required`` gives a call of the tool with arguments that hold to its parameters, and a
+     custom tool's Lark grammar is kept; each request goes as ``GuidedDecodingParams``;
    - item 3 (last, it destroys the engine; ``--skip-crash`` to leave it out): every worker
      process is killed mid-answer; the live answer must end ``failed`` with
      ``engine_unavailable``, ``/readyz`` must turn 503, and the event loop must never stall.
@@ -89,6 +93,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--skip-crash", action="store_true", help="leave out item 3 (it kills the worker)"
     )
+    parser.add_argument(
+        "--guided-decoding-backend",
+        choices=("llguidance", "xgrammar", "none"),
+        default="llguidance",
+        help="TensorRT-LLM's constrained decoder (issue 38's check needs one)",
+    )
     return parser.parse_args()
 
 
@@ -107,6 +117,9 @@ def settings(args: argparse.Namespace) -> TrtllmSettings:
         max_batch_size=args.max_batch_size,
         kv_cache_fraction=args.kv_cache_fraction,
         kv_cache_tokens=args.kv_cache_tokens,
+        guided_decoding_backend=None
+        if args.guided_decoding_backend == "none"
+        else args.guided_decoding_backend,
     )
 
 
@@ -361,6 +374,79 @@ async def check_continuation(engine: TrtllmEngine) -> None:
     record("issue 31", ok, why)
 
 
+async def check_guided(engine: TrtllmEngine) -> None:
+    """Issue 38: answers under guided decoding hold to what they were asked for."""
+    from gateway.engines import grammars
+    from gateway.engines.base import (
+        Constraint,
+        EngineError,
+        Finished,
+        GenerationRequest,
+        Message,
+        SamplingParams,
+        TextDelta,
+        Tool,
+        ToolCallDelta,
+    )
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "population": {"type": "integer"},
+            "landmarks": {"type": "array", "items": {"type": "string"}, "maxItems": 2},
+        },
+        "required": ["city", "population", "landmarks"],
+    }
+    patch = 'start: "*** Begin Patch\\n" LINE+ "*** End Patch"\nLINE: /[+-][^\\n]*\\n/\n'
+    weather = Tool("get_weather", "The weather in a city.", schema)
+    custom = Tool("apply_patch", "Edit files.", freeform=True, grammar=Constraint("lark", patch))
+    sampling = SamplingParams(max_output_tokens=160, temperature=0.0)
+    ask = (Message("user", "Describe Paris as JSON."),)
+    cases = {
+        "json schema": GenerationRequest(
+            "g1", ask, sampling, constraint=Constraint("json_schema", json.dumps(schema), "city")
+        ),
+        "required tool": GenerationRequest(
+            "g2", ask, sampling, tools=(weather,), tool_choice="required"
+        ),
+        "custom tool grammar": GenerationRequest(
+            "g3", (Message("user", "Add a line hello."),), sampling, tools=(custom,),
+            tool_choice="apply_patch",
+        ),
+    }  # fmt: skip
+    failures: list[str] = []
+    for label, request in cases.items():
+        try:
+            engine.check(request)
+            events = [e async for e in engine.stream(request)]
+        except EngineError as exc:
+            failures.append(f"{label}: {exc.code} {exc.message}")
+            continue
+        text = "".join(e.text for e in events if isinstance(e, TextDelta))
+        args = "".join(e.arguments for e in events if isinstance(e, ToolCallDelta))
+        end = events[-1]
+        if not isinstance(end, Finished) or end.reason not in ("stop", "tool_calls"):
+            failures.append(f"{label}: ended {end!r}")
+            continue
+        lenient = Constraint("json_schema", json.dumps(schema))
+        if label == "json schema":
+            held = grammars.accepts(grammars.grammar(lenient, lenient=True), text.strip())
+        elif label == "required tool":
+            held = grammars.accepts(grammars.grammar(lenient, lenient=True), args)
+        else:
+            given = json.loads(args)["input"]
+            held = grammars.accepts(grammars.grammar(Constraint("lark", patch)), given)
+        if not held:
+            failures.append(f"{label}: {(text or args)[:120]!r} does not hold")
+    backend = engine.settings.guided_decoding_backend
+    record(
+        "issue 38 structured",
+        not failures,
+        f"backend {backend}: " + ("; ".join(failures) or "all three answers held"),
+    )
+
+
 async def check_logprobs(engine: TrtllmEngine, http: str) -> None:
     """Issue 38: the real API's log probabilities, and the adapter's reading of them."""
     from tensorrt_llm import SamplingParams as TrtSampling
@@ -561,6 +647,7 @@ async def gateway_mode(llm: Any, args: argparse.Namespace, builder: threading.Th
         )
         await check_context(engine, url)
         await check_continuation(engine)
+        await check_guided(engine)
         await check_logprobs(engine, f"http://{base}")
         if args.skip_crash:
             record("item 3", None, "--skip-crash")

@@ -173,6 +173,11 @@ class Scheduler:
     def queued(self) -> int:
         return self._queued
 
+    def check(self, request: GenerationRequest) -> None:
+        """Raise the engine's :class:`InvalidRequestError` if it cannot constrain
+        ``request`` as asked (see ``Engine.check``): before the request is admitted."""
+        self.engine.check(request)
+
     def submit(self, job: Job) -> bool:
         """Queue ``job`` and start what fits. False (and nothing kept) if full."""
         if self._closing or (

@@ -20,6 +20,7 @@ from typing import Any, Literal, TypeAlias
 import orjson
 
 from gateway.engines.base import TOOL_CHOICE_MODES, Role, TokenLogprob, Tool, ToolChoice
+from sessions import strict_schema
 from sessions.errors import ProtocolError
 
 JSON: TypeAlias = dict[str, Any]
@@ -251,18 +252,31 @@ def read_tools(r: Reader, extra_fields: frozenset[str] = frozenset()) -> tuple[T
 
 
 def function_tool(t: Reader, name: str) -> Tool:
-    """A function tool's description and JSON Schema ``parameters`` (an object's)."""
+    """A function tool's description, JSON Schema ``parameters`` (an object's) and
+    ``strict``: a strict tool's parameters must be inside OpenAI's strict subset."""
     description = t.optional_string("description") or ""
+    strict = t.obj.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise t.fail("strict", f"'{t.param('strict')}' must be a boolean.", "invalid_type")
     parameters = t.obj.get("parameters")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
+        if strict:
+            parameters |= {"required": [], "additionalProperties": False}
     elif not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
         raise t.fail(
             "parameters",
             f"'{t.param('parameters')}' must be a JSON Schema object with type 'object'.",
             "invalid_type" if not isinstance(parameters, dict) else "invalid_value",
         )
-    return Tool(name, description, parameters)
+    if strict and (why := strict_schema.violation(parameters)) is not None:
+        raise ProtocolError(
+            "invalid_function_parameters",
+            f"Invalid schema for function '{name}': {why}",
+            param=t.param("parameters"),
+            event_id=t.event_id,
+        )
+    return Tool(name, description, parameters, strict=bool(strict))
 
 
 def read_tool_choice(r: Reader) -> ToolChoice:

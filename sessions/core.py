@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
 
 from gateway.engines.base import (
+    Constraint,
     EngineError,
     GenerationRequest,
     InvalidRequestError,
@@ -96,11 +97,30 @@ class ResponseSpec:
     affinity_key: str | None = None  # the engine keeps this key's cache (its KV slot) warm
     metadata: dict[str, str] | None = None
     tag: object = None  # the dialect's own data for this response (its lane, its body...)
+    constraint: Constraint | None = None  # what the answer's text must match
+    parallel_tool_calls: bool = True
     # The client's field that asked for log probabilities (sampling.logprobs): the param of
     # the 400 an engine that cannot report them answers with.
     logprobs_param: str = "logprobs"
     model: str = ""  # the model the client named ("": the session's)
     operation: str = "chat"  # what it is, as the GenAI conventions' gen_ai.operation.name
+
+    def request(
+        self, response_id: str, trace_context: tuple[tuple[str, str], ...] = ()
+    ) -> GenerationRequest:
+        """What the engine is asked for this response (``trace_context``: the W3C fields
+        that name its trace, for an engine that passes them on)."""
+        return GenerationRequest(
+            request_id=response_id,
+            messages=self.messages,
+            sampling=self.sampling,
+            affinity_key=self.affinity_key,
+            tools=self.tools if self.tool_choice != "none" else (),
+            tool_choice=self.tool_choice,
+            constraint=self.constraint,
+            parallel_tool_calls=self.parallel_tool_calls,
+            trace_context=trace_context,
+        )
 
 
 @dataclass(eq=False, slots=True)
@@ -608,18 +628,12 @@ class Session:
         self.check_rate_limits()
         response_id = response_id or codec.new_id("resp")
         record = self._observe(spec, response_id)
-        request = GenerationRequest(
-            request_id=response_id,
-            messages=spec.messages,
-            sampling=spec.sampling,
-            affinity_key=spec.affinity_key,
-            tools=spec.tools if spec.tool_choice != "none" else (),
-            tool_choice=spec.tool_choice,
-            trace_context=self._trace_context(record),
-        )
+        request = spec.request(response_id, self._trace_context(record))
         try:
-            self.scheduler.engine.check(request)
+            self.scheduler.check(request)
         except InvalidRequestError as exc:
+            # Refused before anything is admitted: a 400, never unconstrained text and
+            # never an answer without the log probabilities it asked for.
             param = spec.logprobs_param if isinstance(exc, LogprobsUnsupportedError) else None
             if record is not None and self.observability is not None:
                 self.observability.not_admitted(record, exc.code, param)

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from gateway.engines.base import (
-    GenerationRequest,
+    Constraint,
     Message,
     SamplingParams,
     TokenLogprob,
@@ -68,11 +68,33 @@ def item_from(data: JSON) -> Item:
 
 
 def tool_json(tool: Tool) -> JSON:
-    return {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
+    return {
+        "name": tool.name,
+        "description": tool.description,
+        "parameters": tool.parameters,
+        "strict": tool.strict,
+        "freeform": tool.freeform,
+        "grammar": constraint_json(tool.grammar),
+    }
 
 
 def tool_from(data: JSON) -> Tool:
-    return Tool(data["name"], data["description"], data["parameters"])
+    return Tool(
+        data["name"],
+        data["description"],
+        data["parameters"],
+        strict=data.get("strict", False),
+        freeform=data.get("freeform", False),
+        grammar=constraint_from(data.get("grammar")),
+    )
+
+
+def constraint_json(constraint: Constraint | None) -> JSON | None:
+    return None if constraint is None else asdict(constraint)
+
+
+def constraint_from(data: JSON | None) -> Constraint | None:
+    return None if data is None else Constraint(**data)
 
 
 def _message_json(m: Message) -> JSON:
@@ -116,6 +138,8 @@ def _spec_json(spec: ResponseSpec, dialect: Dialect) -> JSON:
         "affinity_key": spec.affinity_key,
         "metadata": spec.metadata,
         "tag": dialect.dump_tag(spec.tag),
+        "constraint": constraint_json(spec.constraint),
+        "parallel_tool_calls": spec.parallel_tool_calls,
     }
 
 
@@ -131,6 +155,8 @@ def _spec_from(data: JSON, dialect: Dialect) -> ResponseSpec:
         affinity_key=data["affinity_key"],
         metadata=data["metadata"],
         tag=dialect.load_tag(data["tag"]),
+        constraint=constraint_from(data.get("constraint")),
+        parallel_tool_calls=data.get("parallel_tool_calls", True),
     )
 
 
@@ -228,15 +254,7 @@ def restore(
     in_flight = []
     for saved in data["responses"]:
         spec = _spec_from(saved["spec"], dialect)
-        request = GenerationRequest(
-            request_id=saved["id"],
-            messages=spec.messages,
-            sampling=spec.sampling,
-            affinity_key=spec.affinity_key,
-            tools=spec.tools if spec.tool_choice != "none" else (),
-            tool_choice=spec.tool_choice,
-        )
-        job = Job(request, session.id, session, tenant=session.tenant)
+        job = Job(spec.request(saved["id"]), session.id, session, tenant=session.tenant)
         r = ResponseState(saved["id"], saved["item_id"], job, spec, saved["delta_key"])
         r.text_index = saved["text_index"]
         r.previous_item_id = saved["previous_item_id"]

@@ -212,7 +212,7 @@ async def test_a_non_streaming_tool_call_is_one_message_with_tool_calls(
         ({}, 400, "missing_required_parameter", "messages"),
         ({"n": 2}, 400, "unsupported_value", "n"),
         ({"top_logprobs": 2}, 400, "invalid_value", "top_logprobs"),
-        ({"response_format": {"type": "json_object"}}, 400, "unsupported_value", "response_format"),
+        ({"response_format": {"type": "xml"}}, 400, "invalid_value", "response_format.type"),
         ({"functions": [{"name": "f"}]}, 400, "unsupported_value", "functions"),
         ({"frobnicate": 1}, 400, "unknown_parameter", "frobnicate"),
         ({"temperature": 3}, 400, "invalid_value", "temperature"),

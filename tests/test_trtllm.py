@@ -1134,7 +1134,7 @@ def test_smoke_script_runs_on_the_standin() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     for label in ("[sync llm.generate]", "[async gather]", "[async streaming]", "cancelled"):
         assert label in result.stdout
-    for item in ("item 1", "item 3", "item 10", "issue 31", "issue 38"):
+    for item in ("item 1", "item 3", "item 10", "issue 31", "issue 38", "issue 38 structured"):
         assert f"[{item}] PASS" in result.stdout, result.stdout
 
 

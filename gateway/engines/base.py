@@ -76,13 +76,40 @@ class Message:
     tool_call_id: str | None = None
 
 
+ConstraintKind = Literal["json_object", "json_schema", "lark", "regex"]
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What generated text must match: any JSON object, a JSON Schema, a Lark grammar
+    (LLGuidance's dialect) or a regular expression. Each engine asks its own constrained
+    decoder for it (gateway/engines/grammars.py) or refuses the request; it never
+    generates unconstrained text instead.
+
+    ``definition`` is the schema as JSON text, the grammar or the regex (empty for
+    ``json_object``): text, so that what the engines compile is cached by content.
+    """
+
+    kind: ConstraintKind
+    definition: str = ""
+    name: str = ""  # the schema's or the tool's name, for messages
+
+
 @dataclass(frozen=True, slots=True)
 class Tool:
-    """A function the model may call; ``parameters`` is a JSON Schema object."""
+    """A function the model may call; ``parameters`` is a JSON Schema object.
+
+    ``strict``: its arguments must be valid against ``parameters`` whenever it is called.
+    ``freeform``: a custom tool, whose input is free text (its arguments are
+    ``{"input": TEXT}``, as the dialects offer it); ``grammar``: what that text must match.
+    """
 
     name: str
     description: str = ""
     parameters: Mapping[str, Any] = field(default_factory=dict)
+    strict: bool = False
+    freeform: bool = False
+    grammar: Constraint | None = None
 
 
 ToolChoice = Literal["auto", "none", "required"] | str
@@ -133,6 +160,19 @@ class GenerationRequest:
     # answer (or the client's, when the gateway exports no traces): an engine that sends
     # the generation to a server passes them on, so that its trace joins the client's.
     trace_context: tuple[tuple[str, str], ...] = ()
+    # What the answer's text must match (a response format), or None: free text.
+    constraint: Constraint | None = None
+    parallel_tool_calls: bool = True  # False: at most one call
+
+    @property
+    def enforces_tools(self) -> bool:
+        """Whether a call must be made, or made valid, by constrained decoding: a required
+        or named choice, a strict tool, or a custom tool's grammar."""
+        if not self.tools:
+            return False
+        return self.tool_choice != "auto" or any(
+            t.strict or t.grammar is not None for t in self.tools
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,7 +391,9 @@ class Engine(abc.ABC):
         """Refuse, before it is admitted, what this engine cannot do for ``request``:
         raise :class:`InvalidRequestError` (the client gets a 400 with its message).
         Called on the event loop thread; must not block. The default refuses log
-        probabilities an engine does not report (its ``reports_*`` flags)."""
+        probabilities an engine does not report (its ``reports_*`` flags), and what
+        :meth:`check_structure` refuses."""
+        self.check_structure(request)
         sampling = request.sampling
         if sampling.logprobs is not None and not self.reports_logprobs:
             raise LogprobsUnsupportedError(
@@ -360,6 +402,18 @@ class Engine(abc.ABC):
         if sampling.prompt_logprobs is not None and not self.reports_prompt_logprobs:
             raise LogprobsUnsupportedError(
                 f"The {self.name} engine does not report the prompt's log probabilities."
+            )
+
+    def check_structure(self, request: GenerationRequest) -> None:
+        """Refuse the structure ``request`` asks for (a response format, an enforced tool
+        call, a custom tool's grammar) that the engine cannot constrain: an engine must
+        refuse, never answer unconstrained. Engines that constrain override it and compile
+        what they will be given here (cached by content). This default constrains nothing."""
+        if request.constraint is not None or request.enforces_tools:
+            raise InvalidRequestError(
+                "structured_output_unsupported",
+                f"the {self.name} engine cannot constrain its output (a response format, "
+                "a required or strict tool call, a custom tool's grammar)",
             )
 
     @abc.abstractmethod

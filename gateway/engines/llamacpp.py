@@ -64,6 +64,7 @@ from gateway.engines.base import (
     Output,
     PromptTokens,
     SamplingParams,
+    StreamEvent,
     TextDelta,
     TokenLogprob,
     ToolCallDelta,
@@ -77,6 +78,8 @@ from gateway.engines.openai_chat import (
     tool_call_deltas,
     tools_body,
 )
+from gateway.engines.structured import Plan, plan
+from gateway.engines.tool_format import CallText
 
 log = logging.getLogger(__name__)
 
@@ -433,6 +436,8 @@ class _Generation:
     stopped: bool = False  # the callback stopped llama.cpp because of ``cancelled``
     failure: BaseException | None = None  # what the callback raised (llama.cpp hides it)
     continued: int = 0  # tokens of the continuation (the answer so far, before a takeover)
+    plan: Plan | None = None  # how its tools and response format are asked for
+    calls: CallText | None = None  # parses calls in the gateway's tool format
 
 
 class LlamaCppEngine(Engine):
@@ -481,6 +486,9 @@ class LlamaCppEngine(Engine):
         self._api: _LoopbackApi | None = None
         self._slot_table = SlotTable(slots)
         self._generations: dict[str, _Generation] = {}  # by request id, until reported ended
+        # Whether the chat template shows tools to the model (SmolLM2's does not): if not,
+        # tools go in the gateway's own format (gateway/engines/structured.py).
+        self.template_renders_tools = False
 
     @property
     def capacity(self) -> int:
@@ -493,6 +501,14 @@ class LlamaCppEngine(Engine):
 
     def describe(self) -> dict[str, object]:
         return {"model": self.model_name, "ctx": self.ctx, "slots": self.slots}
+
+    def check_structure(self, request: GenerationRequest) -> None:
+        """Compile the request's grammars (cached by content): one LLGuidance cannot
+        compile is a 400 here, since llama.cpp would sample unconstrained text."""
+        self._plan(request)
+
+    def _plan(self, request: GenerationRequest) -> Plan:
+        return plan(request, template_renders_tools=self.template_renders_tools)
 
     async def slot_settings(self) -> list[dict[str, Any]]:
         """llama.cpp's own view of each slot (its ``/slots``): ``params`` holds the sampler
@@ -516,6 +532,10 @@ class LlamaCppEngine(Engine):
         api_key = secrets.token_urlsafe(24)
         self._server = await _in_thread(lambda: self._load(api_key), "llamacpp-load")
         self._api = _LoopbackApi(self._server.listening_address, api_key)
+        api = self._api
+        self.template_renders_tools = await _in_thread(
+            lambda: _renders_tools(api), "llamacpp-template"
+        )
         log.info(
             "llamacpp: loaded %s in %.2f s (ctx %d per slot, %d slots, threads %s)",
             self.model_name,
@@ -648,6 +668,9 @@ class LlamaCppEngine(Engine):
 
         terminal: Output
         try:
+            generation.plan = self._plan(generation.request)
+            if generation.plan.generic:
+                generation.calls = CallText(generation.request)
             messages = self._fit(generation)
             if generation.request.continuation and self._api is not None:
                 # The answer's budget and usage are the whole answer's, its first part too.
@@ -655,6 +678,7 @@ class LlamaCppEngine(Engine):
             generation.stopped = generation.cancelled.is_set()
             if not generation.stopped:
                 self._server.handle_chat_completions(self._body(generation, messages), callback)
+                self._flush_calls(generation)
             if isinstance(generation.failure, EngineError):
                 raise generation.failure
             if generation.failure is not None:
@@ -685,17 +709,18 @@ class LlamaCppEngine(Engine):
         Stops at once (returning what it has) when the generation is cancelled: a long
         conversation costs a tokenization per turn dropped."""
         assert self._api is not None
-        request = generation.request
+        request, the_plan = generation.request, generation.plan
+        assert the_plan is not None
         budget = request.sampling.max_output_tokens or self.ctx // DEFAULT_ANSWER_SHARE
         limit = self.ctx - min(budget, self.ctx // 2)
-        api, tools = self._api, tools_body(request)
+        api, tools = self._api, tools_body(request) if the_plan.native_tools else None
 
         def count(kept: Sequence[Message]) -> int:
             if generation.cancelled.is_set():
                 return 0  # "fits": the caller sees the cancel and generates nothing
             return api.count_tokens(kept, tools)
 
-        wanted = request.messages
+        wanted = the_plan.messages
         if request.continuation:
             wanted = (*wanted, Message("assistant", request.continuation))
         messages, dropped = fit_to_context(wanted, count, limit)
@@ -710,7 +735,8 @@ class LlamaCppEngine(Engine):
         return messages
 
     def _body(self, generation: _Generation, messages: Sequence[Message]) -> dict[str, Any]:
-        sampling = generation.request.sampling
+        sampling, the_plan = generation.request.sampling, generation.plan
+        assert the_plan is not None
         body: dict[str, Any] = {
             "messages": chat_messages(messages),
             "stream": True,
@@ -720,10 +746,12 @@ class LlamaCppEngine(Engine):
             "timings_per_token": True,  # a running token count in every chunk
             # A chunk after every prompt batch: during prefill, where a cancel is read.
             "return_progress": True,
-            **tools_body(generation.request),
+            **(tools_body(generation.request) if the_plan.native_tools else {}),
             **logprobs_body(generation.request),
             **self.sampler.body(),
         }
+        if the_plan.grammar is not None:
+            body["grammar"] = the_plan.grammar
         budget = sampling.max_output_tokens
         if budget is not None:
             budget = max(1, budget - generation.continued)
@@ -772,13 +800,29 @@ class LlamaCppEngine(Engine):
         # become a stop sequence or a tool call): the running decode count says how many.
         decoded = int(generation.timings.get("predicted_n", generation.decoded + 1))
         tokens, generation.decoded = max(1, decoded - generation.decoded), decoded
-        logprobs = None
-        top = generation.request.sampling.logprobs
-        if top is not None and text:
-            logprobs = _chunk_logprobs(choices, top)
+        if generation.calls is not None:  # the gateway's tool format: parse the text
+            # (never with log probabilities: check() refuses them beside tools)
+            events = _counted(generation.calls.feed(text), tokens)
+        else:
+            logprobs = None
+            top = generation.request.sampling.logprobs
+            if top is not None and text:
+                logprobs = _chunk_logprobs(choices, top)
+            events = chunk_events(text, calls, tokens, logprobs)
         # The loop is gone: nobody is listening, stop generating.
         rid, put = generation.request.request_id, self.outputs.put_threadsafe
-        return not all(put(rid, e) for e in chunk_events(text, calls, tokens, logprobs))
+        return not all(put(rid, e) for e in events)
+
+    def _flush_calls(self, generation: _Generation) -> None:
+        """The end of an answer in the gateway's tool format: what the parser held."""
+        parser = generation.calls
+        if parser is None or generation.stopped or generation.error or generation.failure:
+            return
+        rid, put = generation.request.request_id, self.outputs.put_threadsafe
+        for event in parser.finish():
+            put(rid, event)
+        if parser.calls and generation.finish_reason == "stop":
+            generation.finish_reason = "tool_calls"
 
 
 def _chunk_logprobs(choices: Sequence[dict[str, Any]], top: int) -> tuple[TokenLogprob, ...]:
@@ -812,6 +856,36 @@ def chunk_events(
     for call in calls:
         events.append(replace(call, tokens=0 if events else tokens))
     return events
+
+
+def _counted(events: Sequence[StreamEvent], tokens: int) -> list[Output]:
+    """``events`` with the chunk's ``tokens`` counted once, on the first of them."""
+    out: list[Output] = []
+    for event in events:
+        count = 0 if out else tokens
+        if isinstance(event, TextDelta):
+            out.append(event.text if count == 1 else TextDelta(event.text, count))
+        elif isinstance(event, ToolCallDelta):
+            out.append(replace(event, tokens=count))
+    return out
+
+
+def _renders_tools(api: _LoopbackApi) -> bool:
+    """Whether the model's chat template shows a request's tools to the model: the prompt
+    with a tool differs from the one without."""
+    messages = [Message("user", "hi")]
+    probe = {
+        "tools": [
+            {
+                "type": "function",
+                "function": {"name": "probe_tool", "description": "", "parameters": {}},
+            }
+        ]
+    }
+    try:
+        return api.count_tokens(messages, probe) != api.count_tokens(messages)
+    except EngineError:  # a template that refuses tools cannot render them
+        return False
 
 
 def _usage(generation: _Generation) -> Usage:

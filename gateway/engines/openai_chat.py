@@ -8,11 +8,13 @@ body, the :class:`ToolCallDelta` pieces in one streamed ``choices[].delta``, and
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
 from gateway.engines.base import (
     TOOL_CHOICE_MODES,
+    Constraint,
     GenerationRequest,
     TokenLogprob,
     ToolCallDelta,
@@ -34,6 +36,7 @@ def tools_body(request: GenerationRequest) -> dict[str, Any]:
                     "name": tool.name,
                     "description": tool.description,
                     "parameters": dict(tool.parameters),
+                    **({"strict": True} if tool.strict else {}),
                 },
             }
             for tool in request.tools
@@ -41,6 +44,21 @@ def tools_body(request: GenerationRequest) -> dict[str, Any]:
         "tool_choice": choice
         if choice in TOOL_CHOICE_MODES
         else {"type": "function", "function": {"name": choice}},
+    }
+
+
+def response_format_body(constraint: Constraint | None) -> dict[str, Any]:
+    """``response_format`` for a JSON constraint (nothing for none)."""
+    if constraint is None:
+        return {}
+    if constraint.kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    schema = json.loads(constraint.definition)
+    return {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": constraint.name or "answer", "schema": schema},
+        }
     }
 
 

@@ -13,11 +13,14 @@ batch, as a real engine's iteration is. Fault knobs make it fail or stall on dem
 
 It calls tools by a fixed rule, so that every client can be tested without a
 model (:func:`tool_call_plan`, :func:`tool_output_answer`): a request with tools
-whose last user message names one gets one call of the first tool named, with
-``{"text": <that message>}`` as arguments, streamed a few characters a step;
-``tool_choice`` ``required`` calls the first tool whatever the message says, a
-named function is always called, ``none`` never calls. After a tool's output
-the answer quotes that output verbatim.
+whose last user message names one gets one call of the first tool named, streamed a
+few characters a step; ``tool_choice`` ``required`` calls the first tool whatever the
+message says, a named function is always called, ``none`` never calls. The arguments
+are a valid instance of the tool's parameters whose strings are that message (so a
+tool of one ``text`` parameter gets ``{"text": <that message>}``); a custom tool's input
+is the message, or, under a grammar, a text the grammar accepts. After a tool's output
+the answer quotes that output verbatim. An answer under a response format is a valid
+instance of its schema (gateway/engines/instances.py), its strings the answer's words.
 
 It reports log probabilities when asked, deterministic ones so that tests can check
 them (:func:`token_logprob`, :func:`prompt_logprobs`): a token's depends on its
@@ -39,7 +42,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from gateway.engines import instances
 from gateway.engines.base import (
+    Constraint,
     Engine,
     EngineError,
     Finished,
@@ -192,7 +197,7 @@ def tool_call_plan(request: GenerationRequest) -> tuple[ToolCallDelta, ...]:
         tool = next((t for t in request.tools if t.name in user_text), None)
     if tool is None:
         return ()
-    arguments = json.dumps({"text": user_text}, ensure_ascii=False)
+    arguments = tool_arguments(tool, user_text)
     digest = hashlib.sha256(f"{request.request_id}/{tool.name}".encode()).hexdigest()
     pieces = [
         arguments[i : i + ARGUMENT_PIECE_CHARS]
@@ -200,6 +205,29 @@ def tool_call_plan(request: GenerationRequest) -> tuple[ToolCallDelta, ...]:
     ]
     first = ToolCallDelta(0, pieces[0], call_id=f"call_{digest[:16]}", name=tool.name)
     return (first, *(ToolCallDelta(0, piece) for piece in pieces[1:]))
+
+
+def tool_arguments(tool: Tool, user_text: str) -> str:
+    """The arguments the sim gives ``tool``: see the module docstring."""
+    if tool.freeform:
+        text = user_text
+        if tool.grammar is not None:
+            text = instances.text_instance(tool.grammar, seed=user_text)
+        return json.dumps({"input": text}, ensure_ascii=False)
+    schema = json.dumps(dict(tool.parameters), sort_keys=True)
+    return instances.json_text(schema, (user_text,))
+
+
+def formatted_answer(constraint: Constraint, prompt: str) -> list[str]:
+    """An answer under a response format, in pieces of a few characters (its tokens)."""
+    words = "".join(answer_tokens(prompt, 12)).rstrip(".").split()
+    phrases = tuple(" ".join(words[i : i + 3]) for i in range(0, len(words), 3))
+    definition = constraint.definition if constraint.kind == "json_schema" else _ANY_OBJECT
+    text = instances.json_text(definition, phrases)
+    return [text[i : i + ARGUMENT_PIECE_CHARS] for i in range(0, len(text), ARGUMENT_PIECE_CHARS)]
+
+
+_ANY_OBJECT = '{"type": "object", "properties": {"answer": {"type": "string"}}}'
 
 
 def tool_output_answer(messages: Sequence[Message]) -> list[str] | None:
@@ -307,6 +335,15 @@ class SimEngine(Engine):
     def context_window(self) -> int | None:
         return self.context_tokens
 
+    def check_structure(self, request: GenerationRequest) -> None:
+        """The sim constrains anything it can make an instance of (its answers are built
+        valid): a schema or grammar it cannot satisfy is refused here."""
+        if request.constraint is not None:
+            formatted_answer(request.constraint, "")
+        if request.enforces_tools:
+            for tool in request.tools:
+                tool_arguments(tool, "")
+
     def submit(self, request: GenerationRequest) -> None:
         try:
             stream = self._open(request)
@@ -331,6 +368,8 @@ class SimEngine(Engine):
         tokens: list[str | ToolCallDelta]
         if calls := tool_call_plan(replace(request, messages=tuple(messages))):
             tokens, finish = list(calls), "tool_calls"
+        elif request.constraint is not None:
+            tokens = list(formatted_answer(request.constraint, render(messages)))
         else:
             text = tool_output_answer(messages) or answer_tokens(
                 render(messages), self.response_tokens

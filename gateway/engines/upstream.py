@@ -44,6 +44,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from gateway.engines import answer_check
 from gateway.engines.base import (
     ContextOverflowError,
     EngineError,
@@ -51,6 +52,7 @@ from gateway.engines.base import (
     Finished,
     FinishReason,
     GenerationRequest,
+    InvalidRequestError,
     LogprobsUnsupportedError,
     Message,
     Moved,
@@ -64,6 +66,7 @@ from gateway.engines.base import (
 from gateway.engines.openai_chat import (
     choice_logprobs,
     logprobs_body,
+    response_format_body,
     tool_call_deltas,
     tools_body,
 )
@@ -345,7 +348,21 @@ class UpstreamEngine(StreamingEngine):
         """Whether a takeover's continuation can go to some replica of the pool."""
         return any(r.continuation != "none" for r in self.replicas)
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
+    def check_structure(self, request: GenerationRequest) -> None:
+        """Structure is passed on to the replica (and its answer checked at its end: see
+        gateway/engines/answer_check.py); only a grammar for the whole answer has no
+        field of the Chat Completions API to go in."""
+        if request.constraint is not None and request.constraint.kind in ("lark", "regex"):
+            raise InvalidRequestError(
+                "structured_output_unsupported",
+                "an upstream server takes JSON response formats only",
+            )
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
+        answer = self._answer(request)
+        return answer_check.checked(request, answer) if answer_check.needed(request) else answer
+
+    async def _answer(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
         """One answer on the pool: retried on another replica when one fails before its
         first token; after it, continued on another replica that can continue a final
         assistant message (the text so far as its prefix, at most ``max_moves`` times),
@@ -485,8 +502,11 @@ class UpstreamEngine(StreamingEngine):
             "stream": True,
             "stream_options": {"include_usage": True},
             **tools_body(request),
+            **response_format_body(request.constraint),
             **logprobs_body(request),
         }
+        if request.tools and not request.parallel_tool_calls:
+            body["parallel_tool_calls"] = False
         if request.continuation and replica.continuation == "continue_final_message":
             body["continue_final_message"] = True
             body["add_generation_prompt"] = False
@@ -741,7 +761,10 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         action="append",
         default=[],
         metavar="URL",
-        help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8001 (repeatable)",
+        help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8001 (repeatable);"
+        " response_format, tool_choice, strict tools and parallel_tool_calls are passed on, and"
+        " an answer that does not hold to them (a replica that does not constrain its output)"
+        " fails with upstream_unconstrained",
     )
     group.add_argument(
         "--upstream-model",

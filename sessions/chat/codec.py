@@ -20,6 +20,7 @@ import orjson
 from gateway.engines.base import (
     MAX_TOP_LOGPROBS,
     TOOL_CHOICE_MODES,
+    Constraint,
     Message,
     TokenLogprob,
     Tool,
@@ -27,6 +28,7 @@ from gateway.engines.base import (
     ToolChoice,
     Usage,
 )
+from sessions import formats
 from sessions.codec import (
     JSON,
     MAX_ID_CHARS,
@@ -60,6 +62,7 @@ SERVED = frozenset(
         "presence_penalty",
         "tools",
         "tool_choice",
+        "parallel_tool_calls",
         "n",
         "response_format",
         "logprobs",
@@ -73,7 +76,6 @@ IGNORED: dict[str, str] = {
     "user": "an end-user id for abuse monitoring; this gateway keys nothing on it",
     "safety_identifier": "the same, under its newer name",
     "store": "stored completions are OpenAI's dashboard feature; nothing is kept here",
-    "parallel_tool_calls": "how many calls an answer holds is the model's choice",
     "service_tier": "one engine serves every request the same way",
     "reasoning_effort": "the engines here do not reason before answering",
     "verbosity": "the model's length is asked for with max_completion_tokens",
@@ -118,6 +120,8 @@ class ChatBody:
     presence_penalty: float | Unset | None = UNSET
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
+    constraint: Constraint | None = None  # from response_format
     metadata: dict[str, str] | None = None
     affinity_key: str | None = None
     # ``logprobs: true``: its ``top_logprobs`` (0 when unset); None: no log probabilities.
@@ -187,6 +191,11 @@ def read_body(obj: Mapping[str, Any]) -> ChatBody:
         fields["tools"] = _tools(r)
     if obj.get("tool_choice") is not None:
         fields["tool_choice"] = _tool_choice(r, fields.get("tools", ()))
+    if obj.get("parallel_tool_calls") is not None:
+        fields["parallel_tool_calls"] = _boolean(r, "parallel_tool_calls")
+    if obj.get("response_format") is not None:
+        fmt = formats.read_format(r.child("response_format"), nested=True)
+        fields["constraint"] = formats.constraint(fmt) if fmt is not None else None
     if r.has("metadata"):
         fields["metadata"] = read_metadata(r)
     if obj.get("prompt_cache_key") is not None:
@@ -245,16 +254,6 @@ def _refuse_what_is_not_served(r: Reader) -> None:
         r.integer("n", 1, 128)
         if n != 1:
             raise _unsupported(r, "n", "This gateway makes one choice per request: 'n' must be 1.")
-    fmt = obj.get("response_format")
-    if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if kind != "text":
-            raise _unsupported(
-                r,
-                "response_format",
-                'Only \'response_format\' {"type": "text"} is served: the engines here do '
-                "not constrain their output to JSON.",
-            )
     for key, message in REFUSED.items():
         value = obj.get(key)
         if key == "modalities" and value in (["text"], None):

@@ -136,6 +136,8 @@ class ChatDialect:
             in_conversation=False,
             affinity_key=core.affinity(body.affinity_key),
             metadata=body.metadata,
+            constraint=body.constraint,
+            parallel_tool_calls=body.parallel_tool_calls,
             model=body.model or "",
         )
         if core.start_response(spec, response_id=self._head["id"]) is None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from gateway.engines.base import MAX_TOP_LOGPROBS, Role, TokenLogprob, Tool, ToolChoice
+from sessions import formats
 from sessions.codec import (
     JSON,
     MAX_ID_CHARS,
@@ -68,6 +69,7 @@ class CreateBody:
     stream: bool = False
     background: bool = False
     affinity_key: str | None = None  # from prompt_cache_key
+    text_format: JSON | None = None  # text.format, when structured (sessions/formats.py)
     mapped: tuple[rtools.Mapped, ...] = ()  # which of ``tools`` are a namespace's or custom
     hosted_tools: tuple[tuple[str, str], ...] = ()  # (param, type): --hosted-tools decides
     top_logprobs: int | None = None  # as sent (the Response object echoes it)
@@ -215,7 +217,7 @@ def read_create(obj: Mapping[str, Any], allowed_extra: frozenset[str] = frozense
             raise r.fail("truncation", "'truncation' must be 'auto' or 'disabled'.")
         fields["truncation"] = obj["truncation"]
     if r.has("text") and obj["text"] is not None:
-        _text_config(r.child("text"))
+        fields["text_format"] = _text_config(r.child("text"))
     if obj.get("prompt_cache_key") is not None:
         fields["affinity_key"] = PROMPT_CACHE_KEY + r.string("prompt_cache_key", max_chars=256)
     if obj.get("top_logprobs") is not None:
@@ -236,18 +238,15 @@ def _include(r: Reader) -> list[str]:
     return value
 
 
-def _text_config(t: Reader) -> None:
-    """Plain text only: a structured format needs a constrained decoder no engine here has."""
-    if t.has("format") and t.obj["format"] is not None:
-        f = t.child("format")
-        kind = f.obj.get("type")
-        if kind != "text":
-            raise f.fail(
-                "type",
-                f"'text.format.type' {kind!r} is not supported: this gateway's engines produce "
-                "plain text only (use 'text'), so structured output cannot be guaranteed.",
-                "unsupported_value",
-            )
+def _text_config(t: Reader) -> JSON | None:
+    """``text``: its ``format`` (None: plain text); ``verbosity`` is accepted and ignored
+    (the length is asked for with ``max_output_tokens``)."""
+    t.only(frozenset({"format", "verbosity"}))
+    if t.obj.get("verbosity") not in (None, "low", "medium", "high"):
+        raise t.fail("verbosity", "'text.verbosity' must be 'low', 'medium' or 'high'.")
+    if t.obj.get("format") is None:
+        return None
+    return formats.read_format(t.child("format"), nested=False)
 
 
 def read_input(r: Reader, key: str) -> tuple[AnyInput, ...]:

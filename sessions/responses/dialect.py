@@ -35,7 +35,7 @@ from gateway.engines.base import (
     ToolCallDelta,
 )
 from gateway.scheduler import Job, Outcome
-from sessions import codec, errors
+from sessions import codec, errors, formats
 from sessions.conversation import Item, items_to_messages
 from sessions.core import CallState, ResponseSpec, ResponseState, Session, item_status
 from sessions.realtime.dialect import check_tool_choice, input_items
@@ -394,6 +394,8 @@ class ResponsesDialect:
             affinity_key=core.affinity(body.affinity_key) or lane.affinity_key,
             metadata=body.metadata,
             tag=turn,
+            constraint=formats.constraint(body.text_format) if body.text_format else None,
+            parallel_tool_calls=body.parallel_tool_calls,
             logprobs_param="include",
             model=body.model or "",
         )

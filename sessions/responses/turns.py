@@ -90,7 +90,7 @@ def response_json(
         "parallel_tool_calls": body.parallel_tool_calls,
         "previous_response_id": body.previous_response_id,
         "temperature": c.temperature if body.temperature == codec.UNSET else body.temperature,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": body.text_format or {"type": "text"}},
         "tool_choice": codec.tool_choice_json(turn.tool_choice),
         "tools": rtools.tools_echo(turn.tools, body.mapped),
         "top_p": c.top_p if body.top_p == codec.UNSET else body.top_p,

@@ -355,8 +355,10 @@ class StepEngine:
         max_batch_size: int,
         max_seq_len: int,
         block_reuse: bool,
+        guided_backend: str | None = None,
     ) -> None:
         self._tokenizer = tokenizer
+        self._guided_backend = guided_backend
         self._max_batch = max_batch_size
         self.max_seq_len = max_seq_len
         self._block_reuse = block_reuse
@@ -391,7 +393,13 @@ class StepEngine:
             )
             max_tokens = room
         record.max_tokens = max_tokens
-        plan = self._tokenizer.encode(controls.reply, add_special_tokens=False)
+        try:
+            reply = self._reply(record)
+        except ValueError as exc:  # the grammar matcher's own error, as the worker's
+            record.error = str(exc)
+            _post(deliver, ErrorResponse(str(exc)))
+            return
+        plan = self._tokenizer.encode(reply, add_special_tokens=False)
         plan = plan[self._answered(record.prompt_token_ids, plan) :]
         active = _Active(
             record=record,
@@ -409,6 +417,16 @@ class StepEngine:
             self._waiting.append(active)
             stats._add_running(1)
             self._cond.notify()
+
+    def _reply(self, record: RequestRecord) -> str:
+        """What the toy model answers: ``controls.reply``, or, under guided decoding with
+        a backend, a text the guide accepts (``controls.reply`` when it does, else one
+        walked from the grammar). Without a backend the guide is ignored, as the real
+        LLM ignores it (it answers unconstrained: NVIDIA/TensorRT#4855)."""
+        guide = record.sampling_params.guided_decoding
+        if guide is None or self._guided_backend is None:
+            return controls.reply
+        return guided_reply(self._guided_backend, guide, seed=record.request_id)
 
     def _prompt_logprobs(self, prompt: list[int], plan: list[int], sp: Any) -> TokenLogprobs | None:
         """From the context logits, as the real worker computes them (executor/result.py,
@@ -688,3 +706,78 @@ def make_deliver(loop: asyncio.AbstractEventLoop | None, queue_: Any) -> Callabl
     if loop is None:
         return lambda item: queue_.put(item)
     return lambda item: loop.call_soon_threadsafe(queue_.put_nowait, item)
+
+
+def guided_reply(backend: str, guide: Any, *, seed: int) -> str:
+    """A text ``guide`` accepts, as the backend would compile it
+    (_torch/pyexecutor/grammar_matcher.py): LLGuidance takes Lark for ``grammar``;
+    xgrammar takes EBNF there, which this stand-in cannot compile, so it refuses one."""
+    import llguidance
+
+    if guide.json_object:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+    elif guide.json is not None:
+        schema = guide.json if isinstance(guide.json, str) else json.dumps(guide.json)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    elif guide.regex is not None:
+        grammar = llguidance.LLMatcher.grammar_from_regex(guide.regex)
+    elif guide.grammar is not None and backend == "llguidance":
+        grammar = llguidance.LLMatcher.grammar_from_lark(guide.grammar)
+    elif guide.grammar is not None:
+        raise ValueError("xgrammar: this stand-in cannot compile an EBNF grammar")
+    else:
+        raise ValueError(f"Unsupported guide type: {guide!r}.")
+    if controls.reply and _accepts(grammar, controls.reply):
+        return controls.reply
+    return _walk(grammar, seed)
+
+
+class _Bytes:
+    """A byte vocabulary for LLGuidance (the stand-in has no real one)."""
+
+    eos_token_id = 256
+    bos_token_id = None
+
+    def __init__(self) -> None:
+        self.tokens = [bytes([i]) for i in range(256)] + [b"\xff<eos>"]
+        self.special_token_ids = [256]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+def _matcher(grammar: str) -> Any:
+    import llguidance
+
+    matcher = llguidance.LLMatcher(
+        llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes())), grammar, log_level=0
+    )
+    if matcher.is_error():
+        raise ValueError(f"LLGuidance matcher error: {matcher.get_error()}")
+    return matcher
+
+
+def _accepts(grammar: str, text: str) -> bool:
+    matcher = _matcher(grammar)
+    data = list(text.encode())
+    return bool(matcher.try_consume_tokens(data) == len(data) and matcher.is_accepting())
+
+
+def _walk(grammar: str, seed: int) -> str:
+    """A random walk through the grammar, one byte at a time, ending where it may."""
+    import random
+
+    rng = random.Random(seed)
+    matcher = _matcher(grammar)
+    out = bytearray()
+    while len(out) < 4096:
+        if matcher.is_accepting():
+            return out.decode(errors="replace")
+        mask = matcher.compute_logit_bias()
+        allowed = [b for b in range(0x20, 0x7F) if mask[b]] + ([0x0A] if mask[0x0A] else [])
+        if not allowed:
+            break
+        byte = rng.choice(allowed)
+        matcher.consume_token(byte)
+        out.append(byte)
+    raise ValueError("LLGuidance matcher error: the stand-in found no text for this guide")

@@ -11,8 +11,25 @@ None ask for nothing).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+
+@dataclass(slots=True, kw_only=True)
+class GuidedDecodingParams:
+    """The real class's fields (tensorrt_llm/sampling_params.py): only one guide may be
+    set, which ``SamplingParams`` checks at construction."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | None = None
+
+    def _validate(self) -> None:
+        num_guides = sum(bool(getattr(self, f.name)) for f in fields(self))
+        if num_guides > 1:
+            raise ValueError(f"Only one guide can be used for a request, but got {num_guides}.")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -47,6 +64,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         if self.pad_id is None:
@@ -67,6 +85,8 @@ class SamplingParams:
             raise ValueError(
                 f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}"
             )
+        if self.guided_decoding is not None:
+            self.guided_decoding._validate()
         # As the real one: logprobs=True asks for the top-1; 0 and None for nothing.
         self.logprobs = self.logprobs and int(self.logprobs)
         self.prompt_logprobs = self.prompt_logprobs and int(self.prompt_logprobs)

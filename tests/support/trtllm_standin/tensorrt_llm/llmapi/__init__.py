@@ -19,11 +19,12 @@ from typing import Any
 from tensorrt_llm import _standin
 from tensorrt_llm._standin import RequestError
 from tensorrt_llm.executor.result import TokenLogprobs
-from tensorrt_llm.sampling_params import SamplingParams
+from tensorrt_llm.sampling_params import GuidedDecodingParams, SamplingParams
 
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "GuidedDecodingParams",
     "KvCacheConfig",
     "RequestError",
     "RequestOutput",
@@ -42,7 +43,10 @@ _VALID_KWARGS = {
     "enable_chunked_prefill",
     "pipeline_parallel_size",
     "stream_interval",
+    "guided_decoding_backend",
 }
+# llmapi/llm_args.py: guided_decoding_backend: Optional[Literal["xgrammar", "llguidance"]]
+_GUIDED_BACKENDS = (None, "xgrammar", "llguidance")
 _ids = itertools.count(1)
 
 
@@ -252,6 +256,11 @@ class LLM:
         for key in kwargs:
             if key not in _VALID_KWARGS:
                 raise ValueError(f"{self.__class__.__name__} got invalid argument: {key}")
+        if kwargs.get("guided_decoding_backend") not in _GUIDED_BACKENDS:
+            raise ValueError(
+                "guided_decoding_backend: Input should be 'xgrammar' or 'llguidance', got "
+                f"{kwargs['guided_decoding_backend']!r}"
+            )
         kv = kwargs.get("kv_cache_config")
         if kv is not None and not isinstance(kv, KvCacheConfig):
             raise TypeError("kv_cache_config must be a KvCacheConfig")
@@ -273,6 +282,7 @@ class LLM:
             max_seq_len=kwargs.get("max_seq_len"),
             enable_chunked_prefill=kwargs.get("enable_chunked_prefill", False),
             kv_cache_config=kv,
+            guided_decoding_backend=kwargs.get("guided_decoding_backend"),
         )
         self._hf_model_config = SimpleNamespace(
             max_position_embeddings=_standin.controls.max_position_embeddings
@@ -283,6 +293,7 @@ class LLM:
             self.args.max_batch_size,
             self._worker_max_seq_len(kv),
             kv.enable_block_reuse,
+            self.args.guided_decoding_backend,
         )
         process = _standin.start_worker_process() if _standin.controls.worker_process else None
         self._executor: _standin.Executor | None = _standin.Executor(worker, process)
