@@ -2,7 +2,8 @@
 
 An engine never sees a socket or a protocol event. The scheduler hands it a
 :class:`GenerationRequest` (the conversation as plain messages plus sampling
-settings) with :meth:`Engine.submit`, and may stop it with
+settings, or a raw prompt that no chat template touches) with :meth:`Engine.submit`,
+and may stop it with
 :meth:`Engine.abort`; the engine reports what each step produced, for all its
 requests at once, into :attr:`Engine.outputs`: text (and tool-call) deltas,
 then exactly one :class:`Finished` or :class:`EngineError` per request. One
@@ -86,6 +87,10 @@ class SamplingParams:
     presence_penalty: float | None = None
 
 
+Prompt: TypeAlias = str | tuple[int, ...]
+"""A raw prompt: text the engine tokenizes as it is, or the token ids themselves."""
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     request_id: str
@@ -101,6 +106,13 @@ class GenerationRequest:
     # The token ids that text was generated from, where the engine reported them
     # (TextDelta.token_ids: TensorRT-LLM), so that it continues from exactly those tokens.
     continuation_token_ids: tuple[int, ...] = ()
+    # A raw prompt (the Completions API's): sent as it is, with no chat template, no
+    # instructions and nothing dropped to fit; ``messages`` is then empty. A prompt that
+    # does not fit the context window fails with ContextOverflowError.
+    prompt: Prompt | None = None
+    # Text the answer must lead into (fill in the middle, after ``prompt``); only engines
+    # whose ``can_fill_in_middle`` is true are given one.
+    suffix: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +196,18 @@ class InvalidRequestError(EngineError):
     error_type = "invalid_request_error"
 
 
+def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
+    """Refuse a prompt's token id that the model has no embedding for: an engine would
+    fail on it (or worse: a GPU kernel's out-of-range read)."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            "invalid_value",
+            f"The prompt's token id {bad} is outside the model's vocabulary "
+            f"(0 to {vocab_size - 1}).",
+        )
+
+
 class ContextOverflowError(InvalidRequestError):
     """Even the newest message alone does not fit in the context window."""
 
@@ -211,6 +235,7 @@ class Engine(abc.ABC):
 
     name: str = "engine"
     can_continue: bool = False  # takes GenerationRequest.continuation
+    can_fill_in_middle: bool = False  # takes GenerationRequest.suffix
     default_instructions: str = ""  # a session's instructions until it sets its own
     # A session's temperature and top_p until it sets its own (None: the engine's own default).
     default_sampling: SamplingParams = SamplingParams()

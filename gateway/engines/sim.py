@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from gateway.engines.base import (
+    ContextOverflowError,
     Engine,
     EngineError,
     Finished,
@@ -46,6 +47,7 @@ from gateway.engines.base import (
     Tool,
     ToolCallDelta,
     Usage,
+    check_token_ids,
     fit_to_context,
 )
 
@@ -87,6 +89,8 @@ _WORDS = (
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
 _MESSAGE_OVERHEAD = 4  # like a chat template's role markers
 _MAX_CATCH_UP = 50  # missed steps run back to back after the event loop was away
+VOCAB_SIZE = 50_000  # a raw prompt's token ids: each stands for one of the words above
+FILL_MARK = "<|fill|>"  # between a prompt and its suffix: the answer fills the middle
 ARGUMENT_PIECE_CHARS = 8  # a call's arguments stream this many characters a step
 TOOL_ANSWER_PREFIX = "The tool returned: "
 
@@ -112,6 +116,26 @@ def _content(message: Message) -> str:
 
 def render(messages: Sequence[Message]) -> str:
     return "".join(f"<|{m.role}|>{_content(m)}<|end|>" for m in messages) + "<|assistant|>"
+
+
+def decode_ids(ids: Sequence[int]) -> str:
+    """The text of a raw prompt's token ids: the sim's vocabulary is its words, in turn."""
+    return " ".join(_WORDS[i % len(_WORDS)] for i in ids)
+
+
+def raw_prompt(request: GenerationRequest) -> tuple[str, int]:
+    """A raw prompt's text as the sim answers it (the suffix after a fill mark) and its
+    tokens (words and symbols of text, or the ids themselves)."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        text, tokens = prompt, _text_tokens(prompt)
+    else:
+        assert prompt is not None
+        check_token_ids(prompt, VOCAB_SIZE)
+        text, tokens = decode_ids(prompt), len(prompt)
+    if request.suffix is not None:
+        text += FILL_MARK + request.suffix
+    return text, tokens
 
 
 def answer_tokens(prompt: str, length: int) -> list[str]:
@@ -204,6 +228,7 @@ def _after(tokens: list[str | ToolCallDelta], sent: str) -> list[str | ToolCallD
 class SimEngine(Engine):
     name = "sim"
     can_continue = True
+    can_fill_in_middle = True
 
     def __init__(
         self,
@@ -274,20 +299,11 @@ class SimEngine(Engine):
             stream.aborted = True
 
     def _open(self, request: GenerationRequest) -> _Stream:
-        messages: Sequence[Message] = request.messages
         budget = request.sampling.max_output_tokens
-        if self.context_tokens is not None:
-            answer_room = min(budget or self.response_tokens, self.context_tokens // 2)
-            messages, _ = fit_to_context(messages, count_tokens, self.context_tokens - answer_room)
-        finish: FinishReason = "stop"
-        tokens: list[str | ToolCallDelta]
-        if calls := tool_call_plan(replace(request, messages=tuple(messages))):
-            tokens, finish = list(calls), "tool_calls"
+        if request.prompt is not None:
+            tokens, finish, prompt_tokens = self._plan_raw(request)
         else:
-            text = tool_output_answer(messages) or answer_tokens(
-                render(messages), self.response_tokens
-            )
-            tokens = list(_cut_at_stop(text, request.sampling.stop))
+            tokens, finish, prompt_tokens = self._plan_chat(request)
         sent = 0  # tokens of the answer a stopped gateway already sent (a continuation)
         if request.continuation and finish != "tool_calls":
             rest = _after(tokens, request.continuation)
@@ -296,7 +312,42 @@ class SimEngine(Engine):
         # The budget and the usage are the whole answer's, what was sent before included.
         if budget is not None and sent + len(tokens) > budget:
             tokens, finish = tokens[: max(0, budget - sent)], "length"
-        return _Stream(request.request_id, deque(tokens), finish, count_tokens(messages), sent)
+        return _Stream(request.request_id, deque(tokens), finish, prompt_tokens, sent)
+
+    def _plan_chat(
+        self, request: GenerationRequest
+    ) -> tuple[list[str | ToolCallDelta], FinishReason, int]:
+        """A conversation's answer: its tokens, how it ends, and the prompt's tokens."""
+        messages: Sequence[Message] = request.messages
+        budget = request.sampling.max_output_tokens
+        if self.context_tokens is not None:
+            answer_room = min(budget or self.response_tokens, self.context_tokens // 2)
+            messages, _ = fit_to_context(messages, count_tokens, self.context_tokens - answer_room)
+        if calls := tool_call_plan(replace(request, messages=tuple(messages))):
+            return list(calls), "tool_calls", count_tokens(messages)
+        text = tool_output_answer(messages) or answer_tokens(render(messages), self.response_tokens)
+        return list(_cut_at_stop(text, request.sampling.stop)), "stop", count_tokens(messages)
+
+    def _plan_raw(
+        self, request: GenerationRequest
+    ) -> tuple[list[str | ToolCallDelta], FinishReason, int]:
+        """A raw prompt's answer, as a language model continues text: nothing is dropped
+        to fit, and what cannot fit is refused."""
+        text, prompt_tokens = raw_prompt(request)
+        words: list[str | ToolCallDelta] = list(
+            _cut_at_stop(answer_tokens(text, self.response_tokens), request.sampling.stop)
+        )
+        finish: FinishReason = "stop"
+        if self.context_tokens is not None:
+            room = self.context_tokens - prompt_tokens
+            if room < 1:
+                raise ContextOverflowError(
+                    f"the prompt has {prompt_tokens} tokens; the context window holds "
+                    f"{self.context_tokens}, the answer included"
+                )
+            if len(words) > room:
+                words, finish = words[:room], "length"
+        return words, finish, prompt_tokens
 
     async def _step_loop(self) -> None:
         # Steps fall due on a fixed clock, as on a GPU that computes whatever the

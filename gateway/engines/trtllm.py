@@ -72,6 +72,7 @@ from gateway.engines.base import (
     TextDelta,
     Usage,
     chat_messages,
+    check_token_ids,
     fit_to_context,
 )
 from gateway.engines.openai_chat import tools_body
@@ -549,6 +550,27 @@ class TrtllmEngine(StreamingEngine):
             log.info("trtllm: %s dropped %d old turns to fit", request.request_id, dropped)
         return last.get(messages)
 
+    def _raw_ids(self, request: GenerationRequest) -> list[int]:
+        """A raw prompt's token ids: text encoded as ``generate_async``'s input processor
+        would (with the tokenizer's special tokens, BOS), or the ids checked against the
+        model's vocabulary (an id beyond it fails a GPU kernel, not a request). Nothing is
+        dropped to fit: a prompt that does not is refused."""
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            ids: list[int] = self._llm.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            assert prompt is not None
+            vocab = getattr(getattr(self._llm, "_hf_model_config", None), "vocab_size", None)
+            if vocab:
+                check_token_ids(prompt, int(vocab))
+            ids = list(prompt)  # generate_async takes a list (a tuple is a TypeError)
+        if len(ids) > self._prompt_limit:
+            raise ContextOverflowError(
+                f"the prompt has {len(ids)} tokens; at most {self._prompt_limit} fit the "
+                f"context window ({self._context.tokens} tokens, the answer included)"
+            )
+        return ids
+
     def _answer_so_far(self, request: GenerationRequest) -> _AnswerSoFar:
         """A continued answer's token ids and what they decode to beyond the text sent.
 
@@ -608,7 +630,12 @@ class TrtllmEngine(StreamingEngine):
         for attempt in (1, 2):
             self._check_usable()
             calls = self._tool_call_text(request)
-            prompt_ids = self._fit(request)
+            prompt_ids = self._fit(request) if request.prompt is None else self._raw_ids(request)
+            if request.sampling.max_output_tokens == 0:
+                # Nothing to generate (a legacy echo of the prompt alone): counted only.
+                yield PromptTokens(len(prompt_ids))
+                yield Finished("length", Usage(len(prompt_ids), 0))
+                return
             answer = self._answer_so_far(request)
             params = self._sampling_params(request.sampling, len(prompt_ids), len(answer.ids))
             # Known before the first token: an answer cut short still reports its prompt.

@@ -2,8 +2,8 @@
 
 The gateway keeps what those servers lack (WebSocket sessions, server-side
 conversations, an explicit cancel) and leaves batching, KV caches and GPUs to
-them. Each generation is one streaming ``POST /v1/chat/completions`` on the
-replica the :class:`Router` picks; its SSE chunks become :class:`TextDelta`
+them. Each generation is one streaming ``POST /v1/chat/completions`` (a raw
+prompt's: ``POST /v1/completions``) on the replica the :class:`Router` picks; its SSE chunks become :class:`TextDelta`
 (and :class:`ToolCallDelta` for the ``tool_calls`` of a request with tools, which
 are forwarded as ``tools``/``tool_choice``) and its finish reason and usage one
 :class:`Finished`.
@@ -47,6 +47,7 @@ from gateway.engines.base import (
     Finished,
     FinishReason,
     GenerationRequest,
+    InvalidRequestError,
     Message,
     StreamEvent,
     StreamingEngine,
@@ -68,7 +69,8 @@ MAX_BACKOFF = 30.0
 PROBE_TIMEOUT = 2.0
 CONNECT_TIMEOUT = 5.0
 AFFINITY_ENTRIES = 100_000  # conversations never say they ended: keep the most recent
-COMPLETIONS_PATH = "/v1/chat/completions"
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"  # a raw prompt's (GenerationRequest.prompt)
 
 
 @dataclass(eq=False, slots=True)
@@ -331,6 +333,12 @@ class UpstreamEngine(StreamingEngine):
         so that the client sees one answer; else it fails with ``upstream_failed``."""
         tried: list[Replica] = []
         self._check_ready()
+        if request.sampling.max_output_tokens == 0:
+            # llama.cpp's server would still make a token, and vLLM refuses it.
+            raise InvalidRequestError(
+                "unsupported_value",
+                "The upstream pool generates at least one token: 'max_tokens' must be 1 or more.",
+            )
         prefix, earlier_tokens, moves = request.continuation, 0, 0
         while (replica := self._choose(request, tried, prefix)) is not None:
             tried.append(replica)
@@ -373,7 +381,7 @@ class UpstreamEngine(StreamingEngine):
                 earlier_tokens += tokens
                 if sent_text:
                     movable = moves < self.max_moves and any(
-                        r.healthy and r.continuation != "none" and r not in tried
+                        r.healthy and self._continues(r, request) and r not in tried
                         for r in self.replicas
                     )
                     if not movable:
@@ -410,8 +418,17 @@ class UpstreamEngine(StreamingEngine):
         """The next replica; one that can continue when there is text to continue."""
         if not prefix:
             return self.router.choose(request.affinity_key, tried)
-        cannot = [r for r in self.replicas if r.continuation == "none"]
+        cannot = [r for r in self.replicas if not self._continues(r, request)]
         return self.router.choose(request.affinity_key, [*tried, *cannot])
+
+    @staticmethod
+    def _continues(replica: Replica, request: GenerationRequest) -> bool:
+        """Whether ``replica`` can go on with ``request``'s answer so far: any replica for
+        a text prompt (the prompt and the text so far are one longer prompt), none for
+        token ids, and for a conversation one that continues a final assistant message."""
+        if request.prompt is not None:
+            return isinstance(request.prompt, str)
+        return replica.continuation != "none"
 
     def _check_ready(self, cause: Exception | None = None) -> None:
         """Before the first attempt and each retry: not started, or close() began."""
@@ -436,7 +453,7 @@ class UpstreamEngine(StreamingEngine):
             headers[self.affinity_header] = affinity_id(request.affinity_key)
         post = client.build_request(
             "POST",
-            COMPLETIONS_PATH,
+            CHAT_PATH if request.prompt is None else COMPLETIONS_PATH,
             content=orjson.dumps(self._body(replica, request, earlier_tokens)),
             headers=headers,
         )
@@ -456,16 +473,17 @@ class UpstreamEngine(StreamingEngine):
         self, replica: Replica, request: GenerationRequest, earlier_tokens: int = 0
     ) -> dict[str, Any]:
         s = request.sampling
-        messages = request.messages
-        if request.continuation:  # the answer so far, as an open final assistant message
-            messages = (*messages, Message("assistant", request.continuation))
         body: dict[str, Any] = {
-            "messages": chat_messages(messages),
+            **self._prompt(request),
             "stream": True,
             "stream_options": {"include_usage": True},
             **tools_body(request),
         }
-        if request.continuation and replica.continuation == "continue_final_message":
+        if (
+            request.prompt is None
+            and request.continuation
+            and replica.continuation == "continue_final_message"
+        ):
             body["continue_final_message"] = True
             body["add_generation_prompt"] = False
         model = self.model or replica.model
@@ -484,6 +502,21 @@ class UpstreamEngine(StreamingEngine):
         }
         body.update({k: v for k, v in optional.items() if v is not None})
         return body
+
+    @staticmethod
+    def _prompt(request: GenerationRequest) -> dict[str, Any]:
+        """The body's prompt: a conversation's messages (the answer so far as an open final
+        assistant message), or a raw prompt for ``/v1/completions`` (text or token ids, the
+        text so far after it)."""
+        prompt = request.prompt
+        if prompt is None:
+            messages = request.messages
+            if request.continuation:
+                messages = (*messages, Message("assistant", request.continuation))
+            return {"messages": chat_messages(messages)}
+        if isinstance(prompt, str):
+            return {"prompt": prompt + request.continuation}
+        return {"prompt": list(prompt)}  # stream() never continues token ids elsewhere
 
 
 # -- the wire format ---------------------------------------------------------------
@@ -518,7 +551,8 @@ async def _get(client: httpx.AsyncClient, path: str) -> httpx.Response:
 
 
 async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
-    """Server-sent ``chat.completion.chunk`` events -> deltas, then one Finished.
+    """Server-sent ``chat.completion.chunk`` (or ``text_completion``) events -> deltas,
+    then one Finished.
 
     The Finished comes only after the body is read to its very end: ``[DONE]``
     is followed by the chunked terminator, and a response left before that is
@@ -547,7 +581,8 @@ async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
         usage = _usage(chunk.get("usage")) or usage
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
-            text = delta.get("content")
+            # A chat chunk's text is its delta's content; a completion chunk's, its text.
+            text = delta.get("content") or choice.get("text")
             if text:
                 deltas += 1
                 yield TextDelta(text)
