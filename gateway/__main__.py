@@ -200,6 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="responses waiting for a slot",
     )
     limits.add_argument(
+        "--max-choices",
+        type=_number(int, 1, 128),
+        default=16,
+        metavar="N",
+        help="answers one (chat) completions request may ask for (n, best_of, prompts)",
+    )
+    limits.add_argument(
         "--max-sessions",
         type=count,
         metavar="N",
@@ -444,6 +451,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         tls=tls_from_args(args),
         max_running=args.max_running,
         max_queued=args.max_queued,
+        max_choices=args.max_choices,
         max_sessions=args.max_sessions,
         max_message_bytes=args.max_message_bytes,
         allowed_origins=tuple(args.allowed_origin),

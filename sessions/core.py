@@ -35,6 +35,7 @@ from gateway.engines.base import (
     EngineError,
     GenerationRequest,
     Message,
+    Prompt,
     SamplingParams,
     Tool,
     ToolCallDelta,
@@ -60,6 +61,9 @@ class SessionLimits:
     served_models: tuple[str, ...] = ()
     # --hosted-tools: what a Responses request's hosted tools (web_search...) get.
     hosted_tools: str = "ignore"  # left out of the prompt; "refuse": unsupported_value
+    # --max-choices: the most answers one Chat Completions or Completions request may ask
+    # for (n, best_of, and a Completions request's prompts).
+    max_choices: int = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +95,10 @@ class ResponseSpec:
     affinity_key: str | None = None  # the engine keeps this key's cache (its KV slot) warm
     metadata: dict[str, str] | None = None
     tag: object = None  # the dialect's own data for this response (its lane, its body...)
+    # A raw prompt instead of ``messages`` (the Completions API's), and the text its
+    # answer leads into (fill in the middle): see GenerationRequest.
+    prompt: Prompt | None = None
+    suffix: str | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -542,6 +550,8 @@ class Session:
             affinity_key=spec.affinity_key,
             tools=spec.tools if spec.tool_choice != "none" else (),
             tool_choice=spec.tool_choice,
+            prompt=spec.prompt,
+            suffix=spec.suffix,
         )
         job = Job(request, session_key=self.id, sink=self, tenant=self.tenant)
         response = ResponseState(response_id, self.free_item_id(), job, spec, response_id)
@@ -558,10 +568,10 @@ class Session:
             self._open_text(response)
         return response
 
-    def check_rate_limits(self) -> None:
-        """Raise ``rate_limit_exceeded`` if the session's tenant may start no answer now
-        (its key file line's limits: gateway/tenants.py)."""
-        over = self.scheduler.tenants.refuse_request(self.tenant)
+    def check_rate_limits(self, answers: int = 1) -> None:
+        """Raise ``rate_limit_exceeded`` if the session's tenant may not start ``answers``
+        answers now (its key file line's limits: gateway/tenants.py)."""
+        over = self.scheduler.tenants.refuse_request(self.tenant, answers)
         if over is None:
             return
         if self.metrics is not None:

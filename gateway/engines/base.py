@@ -304,6 +304,11 @@ class Engine(abc.ABC):
         """Extra facts for logs and ``/healthz`` (model name, context size...)."""
         return {}
 
+    async def embeddings(self, body: bytes) -> tuple[int, bytes] | None:
+        """``POST /v1/embeddings`` passed on as the client sent it: the status and JSON body
+        of the answer, or None where the engine serves no embeddings (the default)."""
+        return None
+
     @property
     def context_window(self) -> int | None:
         """Tokens one conversation's prompt and answer may hold, where the engine knows it

@@ -334,9 +334,12 @@ class SimEngine(Engine):
         """A raw prompt's answer, as a language model continues text: nothing is dropped
         to fit, and what cannot fit is refused."""
         text, prompt_tokens = raw_prompt(request)
-        words: list[str | ToolCallDelta] = list(
-            _cut_at_stop(answer_tokens(text, self.response_tokens), request.sampling.stop)
-        )
+        # The text goes on after the prompt: its first word too is spaced from it.
+        answer = [
+            " " + token if i == 0 else token
+            for i, token in enumerate(answer_tokens(text, self.response_tokens))
+        ]
+        words: list[str | ToolCallDelta] = list(_cut_at_stop(answer, request.sampling.stop))
         finish: FinishReason = "stop"
         if self.context_tokens is not None:
             room = self.context_tokens - prompt_tokens

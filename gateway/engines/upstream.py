@@ -3,10 +3,10 @@
 The gateway keeps what those servers lack (WebSocket sessions, server-side
 conversations, an explicit cancel) and leaves batching, KV caches and GPUs to
 them. Each generation is one streaming ``POST /v1/chat/completions`` (a raw
-prompt's: ``POST /v1/completions``) on the replica the :class:`Router` picks; its SSE chunks become :class:`TextDelta`
-(and :class:`ToolCallDelta` for the ``tool_calls`` of a request with tools, which
-are forwarded as ``tools``/``tool_choice``) and its finish reason and usage one
-:class:`Finished`.
+prompt's: ``POST /v1/completions``) on the replica the :class:`Router` picks;
+its SSE chunks become :class:`TextDelta` (and :class:`ToolCallDelta` for the
+``tool_calls`` of a request with tools, which are forwarded as
+``tools``/``tool_choice``) and its finish reason and usage one :class:`Finished`.
 
 Cancelling closes the HTTP response before its body is read to the end, which
 closes that connection: every one of these servers aborts a generation whose
@@ -71,6 +71,10 @@ CONNECT_TIMEOUT = 5.0
 AFFINITY_ENTRIES = 100_000  # conversations never say they ended: keep the most recent
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"  # a raw prompt's (GenerationRequest.prompt)
+EMBEDDINGS_PATH = "/v1/embeddings"
+# What a replica that serves no embeddings answers: 404 (vLLM, SGLang without an
+# embedding model), 501 (llama.cpp's server without --embeddings).
+NO_EMBEDDINGS = (404, 405, 501)
 
 
 @dataclass(eq=False, slots=True)
@@ -429,6 +433,35 @@ class UpstreamEngine(StreamingEngine):
         if request.prompt is not None:
             return isinstance(request.prompt, str)
         return replica.continuation != "none"
+
+    async def embeddings(self, body: bytes) -> tuple[int, bytes] | None:
+        """The body to the least loaded healthy replica's ``/v1/embeddings``, and its answer
+        as it came; the next replica when one cannot be reached. None when the replica
+        serves no embeddings."""
+        import httpx
+
+        self._check_ready()
+        tried: list[Replica] = []
+        while (replica := self.router.choose(None, tried)) is not None:
+            tried.append(replica)
+            assert replica.client is not None
+            headers = {"Content-Type": "application/json"}
+            replica.outstanding += 1
+            try:
+                post = replica.client.build_request(
+                    "POST", EMBEDDINGS_PATH, content=body, headers=headers
+                )
+                response = await _send(replica.client, post, stream=False)
+            except httpx.HTTPError as exc:
+                self._mark_down(replica, _describe_error(exc))
+                continue
+            finally:
+                replica.outstanding -= 1
+            if response.status_code in NO_EMBEDDINGS:
+                return None
+            return response.status_code, response.content
+        detail = f"{len(tried)} tried, all failed" if tried else "none is healthy"
+        raise EngineError("upstream_unavailable", f"no upstream server could answer ({detail})")
 
     def _check_ready(self, cause: Exception | None = None) -> None:
         """Before the first attempt and each retry: not started, or close() began."""

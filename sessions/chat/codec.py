@@ -34,6 +34,7 @@ from sessions.codec import (
 from sessions.errors import ProtocolError
 
 MAX_MESSAGES = 4096
+MAX_N = 128  # OpenAI's bound; --max-choices is the gateway's own
 
 SERVED = frozenset(
     {
@@ -111,6 +112,7 @@ class ChatBody:
     tool_choice: ToolChoice = "auto"
     metadata: dict[str, str] | None = None
     affinity_key: str | None = None
+    n: int = 1  # choices, each its own answer
 
     @property
     def has_system(self) -> bool:
@@ -170,6 +172,8 @@ def read_body(obj: Mapping[str, Any]) -> ChatBody:
             fields[penalty] = r.number(penalty, *PENALTY_RANGE)
     if r.has("seed"):
         fields["seed"] = r.integer("seed", 0, 2**64 - 1)
+    if obj.get("n") is not None:
+        fields["n"] = r.integer("n", 1, MAX_N)  # and at most --max-choices (the dialect's)
     if r.has("stop"):
         fields["stop"] = r.stop("stop")
     if obj.get("tools") is not None:
@@ -195,11 +199,6 @@ def _boolean(r: Reader, key: str) -> bool:
 
 def _refuse_what_is_not_served(r: Reader) -> None:
     obj = r.obj
-    n = obj.get("n")
-    if n is not None:
-        r.integer("n", 1, 128)
-        if n != 1:
-            raise _unsupported(r, "n", "This gateway makes one choice per request: 'n' must be 1.")
     fmt = obj.get("response_format")
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
@@ -361,21 +360,6 @@ def usage_json(usage: Usage) -> JSON:
     }
 
 
-def chunk_json(head: JSON, delta: JSON, finish_reason: str | None = None) -> JSON:
-    return {
-        **head,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-    }
-
-
-def error_json(err: ProtocolError) -> JSON:
-    """The error object of a response (and of a stream's last ``data:``, which the SDK
-    raises as an ``APIError``)."""
-    return {
-        "error": {
-            "message": err.message,
-            "type": err.error_type,
-            "param": err.param,
-            "code": err.code,
-        }
-    }
+def chunk_json(head: JSON, delta: JSON, finish_reason: str | None = None, index: int = 0) -> JSON:
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {**head, "choices": [choice]}
