@@ -32,6 +32,7 @@ from gateway.transport import tls
 log = logging.getLogger("gateway")
 
 PROG = "llm-gateway"
+SERVED_APIS = "Realtime, Responses, Chat Completions, Completions"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOOPS = ("asyncio", "uvloop")
 LOOP_ENV_VAR = "LLM_GATEWAY_LOOP"
@@ -136,8 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="python -m gateway",
         usage="%(prog)s [options]",
-        description="Streaming LLM gateway: the OpenAI Realtime text protocol over WebSocket,"
-        " and a chat page on the same port. README.md explains every flag.",
+        description="Streaming LLM gateway: OpenAI's Realtime (WebSocket), Responses (WebSocket"
+        " and HTTP), Chat Completions and Completions APIs, and a chat page, on one port over"
+        " one shared engine. README.md explains every flag.",
         formatter_class=_HelpFormatter,
     )
     server = parser.add_argument_group("server")
@@ -204,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_number(int, 1, 128),
         default=16,
         metavar="N",
-        help="answers one (chat) completions request may ask for (n, best_of, prompts)",
+        help="choices per (chat) completions request",
     )
     limits.add_argument(
         "--max-sessions",
@@ -495,6 +497,7 @@ def ready_line(gateway: Gateway, seconds: float) -> str:
     return (
         f"ready in {seconds:.1f} s: chat page {page}://{base}/ · WebSocket {ws}://{base}/v1/realtime"
         f" · model {gateway.model} ({gateway.engine.name} engine{worker})"
+        f" · OpenAI API {page}://{base}/v1: {SERVED_APIS}"
     )
 
 
