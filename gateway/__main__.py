@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_number(int, 1, 128),
         default=16,
         metavar="N",
-        help="choices per (chat) completions request",
+        help="choices per completions request",
     )
     limits.add_argument(
         "--max-sessions",
