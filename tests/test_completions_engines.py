@@ -50,7 +50,9 @@ async def bundled() -> AsyncIterator[RunningGateway]:
 
 
 @needs_model
-async def test_the_bundled_model_continues_a_raw_prompt(bundled: RunningGateway) -> None:
+async def test_the_bundled_model_continues_a_raw_prompt_and_seeds_each_choice(
+    bundled: RunningGateway,
+) -> None:
     async with client(bundled) as c:
         raw = await c.completions.with_raw_response.create(model="m", prompt=CAPITAL, max_tokens=3)
         text = strict(Completion, raw.http_response.json()).choices[0].text
@@ -71,12 +73,7 @@ async def test_the_bundled_model_continues_a_raw_prompt(bundled: RunningGateway)
     assert (unknown.status_code, unknown.json()["error"]["code"]) == (400, "invalid_value")
     suffix = await post(bundled, {"prompt": "def f(", "suffix": "):", "max_tokens": 2})
     assert (suffix.status_code, suffix.json()["error"]["param"]) == (400, "suffix")
-
-
-@needs_model
-async def test_seeded_choices_are_reproducible_each_with_its_own_seed(
-    bundled: RunningGateway,
-) -> None:
+    # Seeded choices are reproducible, each with its own seed (one model load for both).
     body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0, "seed": 11}
     first = (await post(bundled, {**body, "n": 2})).json()["choices"]
     again = (await post(bundled, {**body, "n": 2})).json()["choices"]
