@@ -16,12 +16,13 @@ scheduler's fan-out call, where no handler runs).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import orjson
 
-from gateway.engines.base import Usage
+from gateway.engines.base import TokenLogprob, Usage
 from gateway.scheduler import Outcome
 from sessions import codec
 from sessions.core import ResponseSpec, ResponseState, Session
@@ -63,24 +64,41 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     return None if seed is None else (seed + index) % SEEDS
 
 
+LogprobsJson = Callable[[Sequence[TokenLogprob], int], codec.JSON]
+"""A text delta's tokens' log probabilities as its API's JSON, given where the delta's text
+starts in its choice's text (the legacy shape's ``text_offset`` counts from there)."""
+
+
 class ChoiceFraming:
     """A text chunk as bytes: the head (``id``, ``object``, ``created``, ``model``), set when
-    the request starts, then the choice's index and ``template``'s rest, with the text."""
+    the request starts, then the choice's index and ``template``'s rest, with the text (and,
+    for a request that asked for them, its tokens' log probabilities)."""
 
-    __slots__ = ("_ids", "_template", "head")
+    __slots__ = ("_ids", "_logprobs_json", "_offsets", "_template", "_template_logprobs", "head")
     first_sequence_number = 0
     replays_first = True
 
-    def __init__(self, template: bytes) -> None:
+    def __init__(
+        self, template: bytes, template_logprobs: bytes, logprobs_json: LogprobsJson
+    ) -> None:
         # template: what follows '...,"choices":[{"index":N', with %b for the ids made by
-        # delta_ids and %b for the text as JSON.
+        # delta_ids and %b for the text as JSON; template_logprobs: a third %b, for them.
         self._template = template
+        self._template_logprobs = template_logprobs
+        self._logprobs_json = logprobs_json
         self.head = b"{}"
         self._ids: dict[str, bytes] = {}  # by response id: the chunk up to its index
+        self._offsets: dict[bytes, int] = {}  # by those ids: where the next text starts
 
-    def add(self, response_id: str, index: int) -> None:
-        """The response ``response_id`` is choice ``index`` (called as it starts)."""
-        self._ids[response_id] = b'%b,"choices":[{"index":%d' % (self.head[:-1], index)
+    def add(self, response_id: str, index: int, offset: int = 0) -> None:
+        """The response ``response_id`` is choice ``index``, whose text (as the client sees
+        it: after an echoed prompt) has ``offset`` characters before its first delta."""
+        ids = self._ids[response_id] = b'%b,"choices":[{"index":%d' % (self.head[:-1], index)
+        self._offsets[ids] = offset
+
+    def advance(self, response_id: str, chars: int) -> None:
+        """Text the dialect sent in a chunk of its own (an echoed prompt) before the deltas."""
+        self._offsets[self._ids[response_id]] += chars
 
     def numbered(self, seq: int, body: bytes) -> bytes:
         return body  # chunks carry no number
@@ -90,6 +108,14 @@ class ChoiceFraming:
 
     def delta(self, seq: int, ids: bytes, text: str) -> bytes:
         return self._template % (ids, orjson.dumps(text))
+
+    def delta_logprobs(
+        self, seq: int, ids: bytes, text: str, logprobs: Sequence[TokenLogprob]
+    ) -> bytes:
+        offset = self._offsets[ids]
+        self._offsets[ids] = offset + len(text)
+        encoded = orjson.dumps(self._logprobs_json(logprobs, offset))
+        return self._template_logprobs % (ids, orjson.dumps(text), encoded)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,13 +13,13 @@ import enum
 import math
 import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
 import orjson
 
-from gateway.engines.base import TOOL_CHOICE_MODES, Role, Tool, ToolChoice
+from gateway.engines.base import TOOL_CHOICE_MODES, Role, TokenLogprob, Tool, ToolChoice
 from sessions.errors import ProtocolError
 
 JSON: TypeAlias = dict[str, Any]
@@ -369,6 +369,37 @@ def error_event(err: ProtocolError) -> JSON:
             "param": err.param,
             "event_id": err.event_id,
         },
+    )
+
+
+def text_logprobs_json(logprobs: Sequence[TokenLogprob]) -> list[JSON]:
+    """The ``logprobs`` of a Responses text delta (and of ``response.output_text.done``):
+    a shape without bytes. A takeover reads them back from the event log
+    (:func:`text_logprobs_from`)."""
+    return [
+        {
+            "token": lp.token,
+            "logprob": lp.logprob,
+            "top_logprobs": [{"token": t.token, "logprob": t.logprob} for t in lp.top],
+        }
+        for lp in logprobs
+    ]
+
+
+def text_logprobs_from(data: list[JSON]) -> tuple[TokenLogprob, ...]:
+    """:func:`text_logprobs_json`'s list back as log probabilities; each token's bytes are
+    its text's UTF-8 (exact but for a token that is part of a character)."""
+    return tuple(
+        TokenLogprob(
+            lp["token"],
+            lp["logprob"],
+            lp["token"].encode(),
+            tuple(
+                TokenLogprob(t["token"], t["logprob"], t["token"].encode())
+                for t in lp.get("top_logprobs") or ()
+            ),
+        )
+        for lp in data
     )
 
 

@@ -34,9 +34,13 @@ from typing import Any, Generic, Protocol, TypeVar
 from gateway.engines.base import (
     EngineError,
     GenerationRequest,
+    InvalidRequestError,
+    LogprobsUnsupportedError,
     Message,
     Prompt,
+    PromptLogprobs,
     SamplingParams,
+    TokenLogprob,
     Tool,
     ToolCallDelta,
     ToolChoice,
@@ -99,6 +103,9 @@ class ResponseSpec:
     # answer leads into (fill in the middle): see GenerationRequest.
     prompt: Prompt | None = None
     suffix: str | None = None
+    # The client's field that asked for log probabilities (sampling.logprobs): the param of
+    # the 400 an engine that cannot report them answers with.
+    logprobs_param: str = "logprobs"
 
 
 @dataclass(eq=False, slots=True)
@@ -138,6 +145,7 @@ class ResponseState:
     last_item_id: str | None = None  # its newest output item, where the next one goes
     prefix: str = ""  # text sent before a takeover (a continued answer's first part)
     prefix_token_ids: tuple[int, ...] = ()  # its tokens, where the engine gave them
+    prefix_logprobs: tuple[TokenLogprob, ...] = ()  # their log probabilities, if asked
 
     @property
     def in_conversation(self) -> bool:
@@ -181,8 +189,15 @@ class Dialect(Protocol):
     def text_opened(self, r: ResponseState) -> None:
         """``r``'s message item opened (output ``r.text_index``)."""
 
-    def text_delta(self, r: ResponseState, text: str) -> None:
-        """Text of a message that is not output 0 (output 0's goes to ``put_delta``)."""
+    def text_delta(
+        self, r: ResponseState, text: str, logprobs: tuple[TokenLogprob, ...] | None
+    ) -> None:
+        """Text of a message that is not output 0 (output 0's goes to ``put_delta``), with
+        its tokens' log probabilities when the response asked for them."""
+
+    def prompt_logprobs(self, r: ResponseState, logprobs: PromptLogprobs) -> None:
+        """The prompt's own log probabilities (``r.spec.sampling.prompt_logprobs`` asked for
+        them), before ``r``'s first delta."""
 
     def call_opened(self, r: ResponseState, call: CallState) -> None: ...
 
@@ -429,9 +444,25 @@ class Session:
     def on_delta(self, job: Job, text: str, token_ids: tuple[int, ...] = ()) -> None:
         response = self._responses[job]
         if response.text_index != 0:  # a response with tools: see _text_of_tool_response
-            self._text_of_tool_response(response, text)
+            self._text_of_tool_response(response, text, None)
             return
         self.outbox.put_delta(response.delta_key, response.item_id, text, token_ids)
+
+    def on_logprobs_delta(
+        self,
+        job: Job,
+        text: str,
+        logprobs: tuple[TokenLogprob, ...],
+        token_ids: tuple[int, ...] = (),
+    ) -> None:
+        response = self._responses[job]
+        if response.text_index != 0:
+            self._text_of_tool_response(response, text, logprobs)
+            return
+        self.outbox.put_delta(response.delta_key, response.item_id, text, token_ids, logprobs)
+
+    def on_prompt_logprobs(self, job: Job, logprobs: PromptLogprobs) -> None:
+        self.dialect.prompt_logprobs(self._responses[job], logprobs)
 
     def on_tool_call_delta(self, job: Job, delta: ToolCallDelta) -> None:
         response = self._responses[job]
@@ -538,6 +569,8 @@ class Session:
         self, spec: ResponseSpec, *, response_id: str | None = None
     ) -> ResponseState | None:
         """Admit ``spec`` to the scheduler; None if it is full (the dialect says so).
+        Raises :class:`~sessions.errors.ProtocolError` (a 400) for what the engine cannot
+        do (``Engine.check``: log probabilities it does not report, ...).
 
         The dialect's ``response_started`` runs before this returns, and before the
         job's first step can reach the session."""
@@ -553,6 +586,11 @@ class Session:
             prompt=spec.prompt,
             suffix=spec.suffix,
         )
+        try:
+            self.scheduler.engine.check(request)
+        except InvalidRequestError as exc:
+            param = spec.logprobs_param if isinstance(exc, LogprobsUnsupportedError) else None
+            raise errors.ProtocolError(exc.code, exc.message, param=param) from None
         job = Job(request, session_key=self.id, sink=self, tenant=self.tenant)
         response = ResponseState(response_id, self.free_item_id(), job, spec, response_id)
         if not self.scheduler.submit(job):
@@ -632,16 +670,18 @@ class Session:
         r.text_index, r.previous_item_id = self._next_output(r, item)
         self.dialect.text_opened(r)
 
-    def _text_of_tool_response(self, r: ResponseState, text: str) -> None:
+    def _text_of_tool_response(
+        self, r: ResponseState, text: str, logprobs: tuple[TokenLogprob, ...] | None
+    ) -> None:
         """A text delta of a response with tools: its message opens with the first one.
         When a call came first the message is not output 0, which the outbox's merged
         deltas assume, so its deltas go out one event each (a rare order)."""
         if r.text_index is None:
             self._open_text(r)
         if r.text_index == 0:
-            self.outbox.put_delta(r.delta_key, r.item_id, text)
+            self.outbox.put_delta(r.delta_key, r.item_id, text, (), logprobs)
             return
-        self.dialect.text_delta(r, text)
+        self.dialect.text_delta(r, text, logprobs)
 
     def _open_call(self, r: ResponseState, delta: ToolCallDelta) -> CallState:
         call_id = delta.call_id or codec.new_id("call")
@@ -657,6 +697,9 @@ class Session:
         r = self._responses.pop(job)
         if r.prefix:
             outcome = replace(outcome, text=r.prefix + outcome.text)
+            if r.spec.sampling.logprobs is not None:
+                logprobs = r.prefix_logprobs + (outcome.logprobs or ())
+                outcome = replace(outcome, logprobs=logprobs)
         if r.in_conversation:
             # Every ending but a natural one leaves the items incomplete.
             status = "completed" if outcome.status == "completed" else "incomplete"

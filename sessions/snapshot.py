@@ -5,7 +5,8 @@ the session over when the one that held it is gone.
 a consistent state); :func:`restore` builds the session again on the process that takes
 it over, and :func:`continue_responses` picks its answers in flight up. The text such
 an answer had sent is not in the snapshot but in the event log (the frames that reached
-the client, with the token ids an engine gave for them): :func:`sent_text` reads it back.
+the client, with the token ids an engine gave for them, and the log probabilities a
+response that asked for them carries in them): :func:`sent_text` reads it back.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Mapping
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import orjson
@@ -22,11 +23,13 @@ from gateway.engines.base import (
     GenerationRequest,
     Message,
     SamplingParams,
+    TokenLogprob,
     Tool,
     ToolCall,
 )
 from gateway.metrics import Metrics
 from gateway.scheduler import Job, Scheduler
+from sessions.codec import text_logprobs_from
 from sessions.conversation import Item
 from sessions.core import (
     CallState,
@@ -218,17 +221,28 @@ def restore(
     return session, in_flight
 
 
+@dataclass(frozen=True, slots=True)
+class SentText:
+    """What a response's text deltas among an event log carried."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...]
+
+
 def sent_text(
     frames: list[tuple[int, bytes]],
     item_id: str,
     token_ids: Mapping[int, tuple[int, ...]] | None = None,
-) -> tuple[str, tuple[int, ...]]:
+) -> SentText:
     """The text deltas of output item ``item_id`` among ``frames`` (an event log:
-    numbered frames), joined; and the token ids logged with them (``token_ids``, by
-    frame number), where the engine gave them."""
+    numbered frames), joined; the token ids logged with them (``token_ids``, by frame
+    number), where the engine gave them; and the log probabilities they carry (a Responses
+    delta's, for a response that asked: see sessions/responses/codec.py)."""
     needle = orjson.dumps(item_id)
     parts: list[str] = []
     ids: list[int] = []
+    logprobs: list[TokenLogprob] = []
     for seq, frame in frames:
         if b'"response.output_text.delta"' in frame and needle in frame:
             event = orjson.loads(frame)
@@ -236,7 +250,9 @@ def sent_text(
                 parts.append(event["delta"])
                 if token_ids:
                     ids += token_ids.get(seq, ())
-    return "".join(parts), tuple(ids)
+                if event.get("logprobs"):
+                    logprobs += text_logprobs_from(event["logprobs"])
+    return SentText("".join(parts), tuple(ids), tuple(logprobs))
 
 
 def continue_responses(
@@ -248,5 +264,6 @@ def continue_responses(
     """Go on with the answers in flight, each from the text its client already has (and
     the tokens it was generated from, where the log has them)."""
     for r in in_flight:
-        r.prefix, r.prefix_token_ids = sent_text(log, r.item_id, token_ids)
+        sent = sent_text(log, r.item_id, token_ids)
+        r.prefix, r.prefix_token_ids, r.prefix_logprobs = sent.text, sent.token_ids, sent.logprobs
         session.continue_response(r)

@@ -19,6 +19,7 @@ from openai.types import Completion
 from openai.types import completion_create_params as params
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from gateway.engines import sim
 from gateway.engines.base import TextDelta
 from gateway.engines.sim import SimEngine
 from sessions.completions import codec as kc
@@ -27,14 +28,26 @@ from tests.support.scripted_engine import ScriptedEngine
 from tests.test_chat_completions import sse_chunks, strict
 
 
-def strict_chunk(chunk: dict[str, Any]) -> Completion:
-    """A streamed ``text_completion`` chunk as the SDK's ``Completion``. Its choices'
-    ``finish_reason`` is null until their last chunk, as OpenAI streams them, which the
-    SDK's type (shared by both shapes, it says) does not allow: that one field is read as
-    its last value; every other is checked strictly."""
-    choices = [{**c, "finish_reason": c["finish_reason"] or "stop"} for c in chunk["choices"]]
-    validated: Completion = strict(Completion, {**chunk, "choices": choices})
+def strict_completion(body: dict[str, Any]) -> Completion:
+    """A ``text_completion`` (or a chunk of one) as the SDK's ``Completion``, every field
+    checked strictly but two that OpenAI sends and the SDK's types do not allow: a streamed
+    choice's ``finish_reason`` is null until its last chunk (the type is shared by both
+    shapes, it says), and an echoed prompt's first token has null ``token_logprobs`` and
+    ``top_logprobs`` entries (nothing before it predicts it). Only those are read as
+    something else, and only there."""
+    choices = []
+    for choice in body["choices"]:
+        choice = {**choice, "finish_reason": choice["finish_reason"] or "stop"}
+        if (lp := choice["logprobs"]) is not None and lp["token_logprobs"][:1] == [None]:
+            assert lp["top_logprobs"][0] is None
+            lp = {**lp, "token_logprobs": [0.0, *lp["token_logprobs"][1:]]}
+            choice["logprobs"] = {**lp, "top_logprobs": [{}, *lp["top_logprobs"][1:]]}
+        choices.append(choice)
+    validated: Completion = strict(Completion, {**body, "choices": choices})
     return validated
+
+
+strict_chunk = strict_completion
 
 
 @pytest.fixture
@@ -311,3 +324,96 @@ def test_docs_give_every_field_its_answer() -> None:
     documented = set(re.findall(r"`(\w+)`", " ".join(rows)))
     missing = (kc.SERVED | set(kc.IGNORED) | set(kc.REFUSED)) - documented
     assert not missing, f"fields docs/protocol.md's Completions table lacks: {missing}"
+
+
+# -- log probabilities, in the legacy shape ------------------------------------------------
+
+
+def check_legacy_shape(text: str, logprobs: dict[str, Any], start: int = 0) -> None:
+    """Its four lists line up, its tokens' text is the text from ``start`` on, and each
+    ``text_offset`` is where its token starts in the choice's text."""
+    tokens = logprobs["tokens"]
+    lengths = {len(logprobs[k]) for k in ("token_logprobs", "top_logprobs", "text_offset")}
+    assert lengths == {len(tokens)}
+    assert "".join(tokens) == text[start:]
+    at = start
+    for token, offset in zip(tokens, logprobs["text_offset"], strict=True):
+        assert offset == at and text[offset : offset + len(token)] == token
+        at += len(token)
+
+
+async def test_logprobs_come_in_the_legacy_shape_streamed_or_not(gw: RunningGateway) -> None:
+    body = {"prompt": "The sky is", "max_tokens": 6, "logprobs": 2}
+    async with client(gw) as c:
+        raw = await c.completions.with_raw_response.create(model="m", **body)  # type: ignore[arg-type]
+    choice = strict(Completion, raw.http_response.json()).choices[0]
+    assert choice.logprobs is not None and choice.logprobs.tokens is not None
+    check_legacy_shape(choice.text, choice.logprobs.model_dump())
+    assert len(choice.logprobs.tokens) == 6
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs or [])
+    assert choice.logprobs.token_logprobs == [
+        sim.token_logprob(t, i, 2).logprob for i, t in enumerate(choice.logprobs.tokens)
+    ]
+    chunks = sse_chunks((await post(gw, {**body, "stream": True})).text)
+    streamed: dict[str, list[Any]] = {"tokens": [], "text_offset": []}
+    for chunk in chunks:
+        strict_chunk(chunk)
+        lp = chunk["choices"][0]["logprobs"]
+        if chunk["choices"][0]["text"]:
+            streamed["tokens"] += lp["tokens"]
+            streamed["text_offset"] += lp["text_offset"]
+    assert streamed == {
+        "tokens": choice.logprobs.tokens,
+        "text_offset": choice.logprobs.text_offset,
+    }
+
+
+async def test_echo_with_logprobs_scores_the_prompt_itself(gw: RunningGateway) -> None:
+    """What evaluation harnesses send: the prompt's own log probabilities, nothing generated."""
+    prompt = "The quick brown fox"
+    reply = await post(gw, {"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 0})
+    choice = strict_completion(reply.json()).choices[0]
+    raw = reply.json()["choices"][0]["logprobs"]
+    assert raw["token_logprobs"][0] is None and raw["top_logprobs"][0] is None
+    assert choice.text == prompt and choice.finish_reason == "length"
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None
+    check_legacy_shape(choice.text, raw)
+    assert logprobs.tokens == ["The", " quick", " brown", " fox"]
+    expected = sim.prompt_logprobs(prompt, 1).tokens
+    assert raw["token_logprobs"][1:] == [lp.logprob for lp in expected]
+    # With an answer after it: the prompt's tokens, then the answer's, offsets running on.
+    both = (await post(gw, {"prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 3})).json()
+    text, lp = both["choices"][0]["text"], both["choices"][0]["logprobs"]
+    check_legacy_shape(text, lp)
+    assert len(lp["tokens"]) == 4 + 3 and text.startswith(prompt)
+    streamed = sse_chunks(
+        (
+            await post(
+                gw, {"prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 3, "stream": True}
+            )
+        ).text
+    )
+    assert streamed[0]["choices"][0]["text"] == prompt
+    assert streamed[0]["choices"][0]["logprobs"]["tokens"] == lp["tokens"][:4]
+
+
+async def test_the_echo_of_token_ids_is_their_text(gw: RunningGateway) -> None:
+    reply = await post(gw, {"prompt": [1, 2, 3], "echo": True, "max_tokens": 2})
+    choice = strict(Completion, reply.json()).choices[0]
+    assert choice.text.startswith(sim.decode_ids([1, 2, 3])) and choice.logprobs is None
+
+
+async def test_best_of_keeps_the_likeliest_answers() -> None:
+    engine = ScriptedEngine([TextDelta(" a")])
+    async with running_gateway(SimEngine(step_ms=1, response_tokens=8)) as gw:
+        reply = await post(gw, {"prompt": ["x", "y"], "n": 1, "best_of": 3, "max_tokens": 4})
+        completion = strict(Completion, reply.json())
+        assert [c.index for c in completion.choices] == [0, 1]
+        assert completion.choices[0].logprobs is None  # ranked by them, not asked for them
+        assert completion.usage is not None and completion.usage.completion_tokens == 24
+        streamed = await post(gw, {"prompt": "x", "best_of": 2, "stream": True})
+        assert (streamed.status_code, streamed.json()["error"]["param"]) == (400, "best_of")
+    async with running_gateway(engine) as scripted:
+        refused = await post(scripted, {"prompt": "x", "best_of": 2})
+        assert (refused.status_code, refused.json()["error"]["param"]) == (400, "best_of")

@@ -21,6 +21,7 @@ from tests.support import llama_server
 from tests.support.harness import RunningGateway, running_gateway
 from tests.support.llama_server import LlamaServer
 from tests.test_chat_completions import sse_chunks, strict
+from tests.test_completions import check_legacy_shape, strict_completion
 from tests.test_trtllm import MODEL, standin, standin_engine  # noqa: F401
 
 CAPITAL = "The capital of France is"
@@ -73,6 +74,15 @@ async def test_the_bundled_model_continues_a_raw_prompt_and_seeds_each_choice(
     assert (unknown.status_code, unknown.json()["error"]["code"]) == (400, "invalid_value")
     suffix = await post(bundled, {"prompt": "def f(", "suffix": "):", "max_tokens": 2})
     assert (suffix.status_code, suffix.json()["error"]["param"]) == (400, "suffix")
+    # Log probabilities in the legacy shape: llama.cpp's own, for the answer's tokens.
+    scored = (await post(bundled, {"prompt": CAPITAL, "max_tokens": 3, "logprobs": 2})).json()
+    choice = scored["choices"][0]
+    check_legacy_shape(choice["text"], choice["logprobs"])
+    assert choice["logprobs"]["tokens"][0] == " Paris"
+    assert choice["logprobs"]["token_logprobs"][0] < 0
+    assert all(len(top) == 2 for top in choice["logprobs"]["top_logprobs"])
+    echoed = await post(bundled, {"prompt": CAPITAL, "echo": True, "logprobs": 1, "max_tokens": 0})
+    assert (echoed.status_code, echoed.json()["error"]["param"]) == (400, "echo")
     # Seeded choices are reproducible, each with its own seed (one model load for both).
     body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0, "seed": 11}
     first = (await post(bundled, {**body, "n": 2})).json()["choices"]
@@ -106,6 +116,9 @@ async def test_an_upstream_pool_completes_on_its_replicas(pool: list[LlamaServer
         assert "Paris" in text
         ids = await c.completions.create(model="m", **{**body, "prompt": CAPITAL_IDS})  # type: ignore[call-overload]
         assert ids.choices[0].text == text
+        scored = (await post(gw, {**body, "logprobs": 1})).json()["choices"][0]
+        check_legacy_shape(scored["text"], scored["logprobs"])
+        assert scored["text"] == text and len(scored["logprobs"]["tokens"]) == 3
         reply = await post(gw, {**body, "n": 2, "stream": True})
         chunks = sse_chunks(reply.text)
         joined = {0: "", 1: ""}
@@ -162,6 +175,13 @@ async def test_tensorrt_llm_gets_a_raw_prompt_as_token_ids(standin: ModuleType) 
         echoed = (await post(gw, {"prompt": "Hello there", "max_tokens": 0, "echo": True})).json()
         assert echoed["choices"][0]["text"] == "Hello there" and len(standin.stats.requests) == 3
         assert echoed["usage"]["prompt_tokens"] == len(record.prompt_token_ids)
+        # An echo with logprobs: TensorRT-LLM's prompt_logprobs, one token generated and
+        # dropped to get them (it reports them with a generation).
+        body = {"prompt": "Hello there", "max_tokens": 0, "echo": True, "logprobs": 1}
+        scored = strict_completion((await post(gw, body)).json()).choices[0]
+        assert scored.text == "Hello there" and scored.logprobs is not None
+        assert scored.logprobs.tokens is not None and len(scored.logprobs.tokens) == 4
+        assert standin.stats.requests[-1].sampling_params.max_tokens == 1
         await gw.wait_idle()
 
 

@@ -9,6 +9,25 @@ requests at once, into :attr:`Engine.outputs`: text (and tool-call) deltas,
 then exactly one :class:`Finished` or :class:`EngineError` per request. One
 central scheduler task drains that channel and fans each batch out.
 
+Log probabilities ride only on requests that ask for them, so that the common
+output, a plain ``str`` (one token of text), stays the whole cost of a token:
+
+- ``SamplingParams.logprobs = N`` (0-20) asks for every generated token's log
+  probability and its ``N`` most likely alternatives. Every text output of such a
+  request is then a :class:`TextDelta` whose ``logprobs`` holds one
+  :class:`TokenLogprob` per token the text stands for, in order (``()`` where its
+  tokens were reported with earlier text); a request that asked for none gets
+  ``logprobs=None`` deltas or plain strings. Joined, a response's deltas' logprobs
+  are its answer's, whatever merged them on the way (the scheduler's fan-out, a
+  lagging reader's outbox): merging concatenates, in order.
+- ``SamplingParams.prompt_logprobs = N`` asks for the prompt's own tokens (a legacy
+  ``echo`` with ``logprobs``): one :class:`PromptLogprobs` output, before the first
+  delta.
+- An engine that cannot report what a request asks refuses it before admission
+  (:meth:`Engine.check` raises :class:`LogprobsUnsupportedError`: the client gets a
+  400 that says so), or, where it learns it only from its backend (an upstream
+  replica), ends it with that error; it never answers with an empty list.
+
 ``abort`` must stop the generation inside the engine (TensorRT-LLM:
 ``RequestOutput.abort()``; llama.cpp: the stream callback returns ``True``;
 upstream: the HTTP stream is closed; sim: dropped at the next step).
@@ -73,6 +92,10 @@ ToolChoice = Literal["auto", "none", "required"] | str
 TOOL_CHOICE_MODES = ("auto", "none", "required")
 
 
+MAX_TOP_LOGPROBS = 20  # the most alternatives a token's log probability comes with (OpenAI's)
+MIN_LOGPROB = -9999.0  # OpenAI's value for a token too unlikely to rank among the top 20
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Sampling settings, always passed explicitly (engines have surprising defaults)."""
@@ -85,6 +108,11 @@ class SamplingParams:
     # OpenAI Chat Completions' penalties, -2.0..2.0 (None: the engine's own default).
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    # Log probabilities (see the module docstring). None asks for none; N (0 to
+    # MAX_TOP_LOGPROBS): each generated token's, with its N most likely alternatives.
+    logprobs: int | None = None
+    # The prompt's own tokens' (a legacy echo), with N alternatives each; None: none.
+    prompt_logprobs: int | None = None
 
 
 Prompt: TypeAlias = str | tuple[int, ...]
@@ -127,12 +155,47 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One token with its log probability (``logprob``, natural log, at least
+    :data:`MIN_LOGPROB`), as the engine decoded it: ``token`` its text, ``bytes`` its
+    UTF-8 bytes (a token that is part of a character has bytes that are no text of their
+    own), and ``top`` the most likely tokens at its position, most likely first, as many
+    as the request asked for (each a ``TokenLogprob`` with no ``top`` of its own)."""
+
+    token: str
+    logprob: float
+    bytes: bytes
+    top: tuple[TokenLogprob, ...] = ()
+
+
+def clamp_logprob(value: float) -> float:
+    """``value`` as OpenAI reports it: never below :data:`MIN_LOGPROB` (-inf, a zero
+    probability, has no JSON form; NaN becomes it too)."""
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB
+
+
+@dataclass(frozen=True, slots=True)
 class TextDelta:
     text: str
     tokens: int = 1  # tokens this text stands for, for usage when a stream is cut short
     # The ids of the tokens this text was decoded from, from an engine that continues an
     # answer from its token ids (TensorRT-LLM); kept in the store's log with the delta.
     token_ids: tuple[int, ...] = ()
+    # The log probabilities of the tokens this text stands for, in order, when the request
+    # asked for them (SamplingParams.logprobs); None when it did not. Their tokens' texts,
+    # joined, are ``text`` where the engine reports a token per piece of text.
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """The prompt's own tokens (SamplingParams.prompt_logprobs), reported once, before the
+    first delta: ``first`` is the prompt's first token, which nothing before it predicts
+    (it has no log probability: the legacy shape's ``null``); ``tokens`` are the others,
+    in order, each with its log probability given the tokens before it."""
+
+    first: str
+    tokens: tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +225,7 @@ class PromptTokens:
     cached_tokens: int = 0
 
 
-StreamEvent = TextDelta | ToolCallDelta | PromptTokens | Finished
+StreamEvent = TextDelta | ToolCallDelta | PromptTokens | PromptLogprobs | Finished
 """What :meth:`StreamingEngine.stream` yields."""
 
 
@@ -181,7 +244,9 @@ class EngineError(Exception):
         self.message = message
 
 
-Output: TypeAlias = str | TextDelta | ToolCallDelta | PromptTokens | Finished | EngineError
+Output: TypeAlias = (
+    str | TextDelta | ToolCallDelta | PromptTokens | PromptLogprobs | Finished | EngineError
+)
 """What an engine reports for one request. A plain ``str`` is one token of text (the
 common case, kept cheap); every request ends with one ``Finished`` or ``EngineError``."""
 
@@ -206,6 +271,14 @@ def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
             f"The prompt's token id {bad} is outside the model's vocabulary "
             f"(0 to {vocab_size - 1}).",
         )
+
+
+class LogprobsUnsupportedError(InvalidRequestError):
+    """The engine (or the replica it asked) cannot report the log probabilities the request
+    asks for: a 400 that says so, never an answer with an empty list."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("unsupported_value", message)
 
 
 class ContextOverflowError(InvalidRequestError):
@@ -236,6 +309,8 @@ class Engine(abc.ABC):
     name: str = "engine"
     can_continue: bool = False  # takes GenerationRequest.continuation
     can_fill_in_middle: bool = False  # takes GenerationRequest.suffix
+    reports_logprobs: bool = False  # fills TextDelta.logprobs when a request asks
+    reports_prompt_logprobs: bool = False  # reports PromptLogprobs when a request asks
     default_instructions: str = ""  # a session's instructions until it sets its own
     # A session's temperature and top_p until it sets its own (None: the engine's own default).
     default_sampling: SamplingParams = SamplingParams()
@@ -288,6 +363,21 @@ class Engine(abc.ABC):
     async def close(self) -> None:
         """Release the model; no thread or task of the engine outlives this."""
         self._ready = False
+
+    def check(self, request: GenerationRequest) -> None:
+        """Refuse, before it is admitted, what this engine cannot do for ``request``:
+        raise :class:`InvalidRequestError` (the client gets a 400 with its message).
+        Called on the event loop thread; must not block. The default refuses log
+        probabilities an engine does not report (its ``reports_*`` flags)."""
+        sampling = request.sampling
+        if sampling.logprobs is not None and not self.reports_logprobs:
+            raise LogprobsUnsupportedError(
+                f"The {self.name} engine does not report log probabilities."
+            )
+        if sampling.prompt_logprobs is not None and not self.reports_prompt_logprobs:
+            raise LogprobsUnsupportedError(
+                f"The {self.name} engine does not report the prompt's log probabilities."
+            )
 
     @abc.abstractmethod
     def submit(self, request: GenerationRequest) -> None:

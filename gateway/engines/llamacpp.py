@@ -13,6 +13,13 @@ only because the engine asks for progress reports (``return_progress``), one
 per prompt batch of ``prefill_batch`` tokens, so there a cancel or ``close()``
 takes effect within one batch.
 
+Log probabilities (``SamplingParams.logprobs``) go in the chat body as ``logprobs`` and
+``top_logprobs``; llama.cpp sends an entry per piece of text it streams (a piece it
+held back, such as the bytes of one character over several tokens, is one entry with
+the text and the log probability of its last token). It reports none for the prompt's
+own tokens, nor for a streamed answer with tools: such requests are refused with a 400
+(:meth:`LlamaCppEngine.check`).
+
 The server also listens on a random loopback port (it always does); the engine
 protects it with a random API key and uses its ``/apply-template`` and
 ``/tokenize`` handlers to count a conversation's tokens the way the model sees
@@ -53,18 +60,25 @@ from gateway.engines.base import (
     FinishReason,
     GenerationRequest,
     InvalidRequestError,
+    LogprobsUnsupportedError,
     Message,
     Output,
     PromptTokens,
     SamplingParams,
     TextDelta,
+    TokenLogprob,
     ToolCallDelta,
     Usage,
     chat_messages,
     check_token_ids,
     fit_to_context,
 )
-from gateway.engines.openai_chat import tool_call_deltas, tools_body
+from gateway.engines.openai_chat import (
+    choice_logprobs,
+    logprobs_body,
+    tool_call_deltas,
+    tools_body,
+)
 
 log = logging.getLogger(__name__)
 
@@ -417,6 +431,7 @@ class LlamaCppEngine(Engine):
     # turn open with the text in it, and the answer goes on from there (a takeover's
     # continuation, GenerationRequest.continuation: its deltas are only what follows).
     can_continue = True
+    reports_logprobs = True
 
     def __init__(
         self,
@@ -549,6 +564,22 @@ class LlamaCppEngine(Engine):
             # loop thread: do it off the event loop.
             await _in_thread(server.clear, "llamacpp-close")
 
+    def check(self, request: GenerationRequest) -> None:
+        sampling = request.sampling
+        if self._vocab_size and isinstance(request.prompt, tuple):
+            check_token_ids(request.prompt, self._vocab_size)
+        if sampling.prompt_logprobs is not None:
+            raise LogprobsUnsupportedError(
+                "llama.cpp does not report log probabilities for the prompt's own tokens "
+                "(its server has no echo): ask for the answer's alone."
+            )
+        if sampling.logprobs is not None and request.tools:
+            raise LogprobsUnsupportedError(
+                "llama.cpp does not report log probabilities for a streamed answer with "
+                "tools: send the request without tools, or without logprobs."
+            )
+        super().check(request)
+
     def submit(self, request: GenerationRequest) -> None:
         rid = request.request_id
         # Not ready also while close() runs: a worker started then would outlive the model.
@@ -647,6 +678,8 @@ class LlamaCppEngine(Engine):
                 self._server.handle_chat_completions(body, callback)
             else:
                 self._server.handle_completions(body, callback)
+        if isinstance(generation.failure, EngineError):
+            raise generation.failure
         if generation.failure is not None:
             raise EngineError(
                 "engine_error", f"the llamacpp engine failed mid-answer: {generation.failure!r}"
@@ -666,9 +699,7 @@ class LlamaCppEngine(Engine):
         prompt = request.prompt
         if isinstance(prompt, str):
             return prompt + request.continuation
-        assert prompt is not None
-        if self._vocab_size:
-            check_token_ids(prompt, self._vocab_size)
+        assert prompt is not None  # its ids were checked against the vocabulary (check)
         return [*prompt, request.continuation] if request.continuation else list(prompt)
 
     def _count_only(self, generation: _Generation, head: dict[str, Any]) -> Output:
@@ -728,6 +759,7 @@ class LlamaCppEngine(Engine):
             # A chunk after every prompt batch: during prefill, where a cancel is read.
             "return_progress": True,
             **tools_body(generation.request),
+            **logprobs_body(generation.request),
             **self.sampler.body(),
         }
         budget = sampling.max_output_tokens
@@ -743,6 +775,11 @@ class LlamaCppEngine(Engine):
             "presence_penalty": sampling.presence_penalty,
         }
         body.update({key: value for key, value in optional.items() if value is not None})
+        if "prompt" in head and sampling.logprobs is not None:
+            # The completion handler reads its alternatives from an integer ``logprobs``
+            # (``true`` there is one alternative, whatever ``top_logprobs`` says).
+            del body["top_logprobs"]
+            body["logprobs"] = max(1, sampling.logprobs)
         return body
 
     def _on_chunk(self, generation: _Generation, chunk: dict[str, Any]) -> bool:
@@ -781,17 +818,43 @@ class LlamaCppEngine(Engine):
         # become a stop sequence or a tool call): the running decode count says how many.
         decoded = int(generation.timings.get("predicted_n", generation.decoded + 1))
         tokens, generation.decoded = max(1, decoded - generation.decoded), decoded
+        logprobs = None
+        top = generation.request.sampling.logprobs
+        if top is not None and text:
+            logprobs = _chunk_logprobs(choices, top)
         # The loop is gone: nobody is listening, stop generating.
         rid, put = generation.request.request_id, self.outputs.put_threadsafe
-        return not all(put(rid, e) for e in chunk_events(text, calls, tokens))
+        return not all(put(rid, e) for e in chunk_events(text, calls, tokens, logprobs))
 
 
-def chunk_events(text: str, calls: list[ToolCallDelta], tokens: int) -> list[Output]:
-    """What one streamed chunk hands on: its text (a plain ``str`` for one token), then
-    its call pieces; the chunk's ``tokens`` are counted once, on the first of them."""
+def _chunk_logprobs(choices: Sequence[dict[str, Any]], top: int) -> tuple[TokenLogprob, ...]:
+    """The log probabilities of a chunk's text, which a request that asked for them must
+    have (raised, not answered without them)."""
+    found: list[TokenLogprob] = []
+    for choice in choices:
+        if (choice.get("delta") or {}).get("content") or choice.get("text"):
+            logprobs = choice_logprobs(choice, top)
+            if logprobs is None:
+                raise LogprobsUnsupportedError("llama.cpp sent text without its log probabilities")
+            found += logprobs
+    return tuple(found)
+
+
+def chunk_events(
+    text: str,
+    calls: list[ToolCallDelta],
+    tokens: int,
+    logprobs: tuple[TokenLogprob, ...] | None = None,
+) -> list[Output]:
+    """What one streamed chunk hands on: its text (a plain ``str`` for one token, unless
+    it comes with ``logprobs``), then its call pieces; the chunk's ``tokens`` are counted
+    once, on the first of them."""
     events: list[Output] = []
     if text:
-        events.append(text if tokens == 1 else TextDelta(text, tokens))
+        if logprobs is not None:
+            events.append(TextDelta(text, tokens, logprobs=logprobs))
+        else:
+            events.append(text if tokens == 1 else TextDelta(text, tokens))
     for call in calls:
         events.append(replace(call, tokens=0 if events else tokens))
     return events

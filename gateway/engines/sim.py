@@ -18,6 +18,11 @@ whose last user message names one gets one call of the first tool named, with
 ``tool_choice`` ``required`` calls the first tool whatever the message says, a
 named function is always called, ``none`` never calls. After a tool's output
 the answer quotes that output verbatim.
+
+It reports log probabilities when asked, deterministic ones so that tests can check
+them (:func:`token_logprob`, :func:`prompt_logprobs`): a token's depends on its
+text and its place in the answer alone, so a continued answer's are those the
+first gateway would have sent.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import re
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TypeAlias
 
 from gateway.engines.base import (
     ContextOverflowError,
@@ -42,8 +48,11 @@ from gateway.engines.base import (
     FinishReason,
     GenerationRequest,
     Message,
+    PromptLogprobs,
     PromptTokens,
     StepOutput,
+    TextDelta,
+    TokenLogprob,
     Tool,
     ToolCallDelta,
     Usage,
@@ -131,7 +140,6 @@ def raw_prompt(request: GenerationRequest) -> tuple[str, int]:
         text, tokens = prompt, _text_tokens(prompt)
     else:
         assert prompt is not None
-        check_token_ids(prompt, VOCAB_SIZE)
         text, tokens = decode_ids(prompt), len(prompt)
     if request.suffix is not None:
         text += FILL_MARK + request.suffix
@@ -147,6 +155,43 @@ def answer_tokens(prompt: str, length: int) -> list[str]:
         tokens[0] = tokens[0].capitalize()
         tokens[-1] += "."
     return tokens
+
+
+_PROMPT_TOKEN_RE = re.compile(r"<\|\w+\|>|\s*\w+|\s*[^\w\s]|\s+")
+
+
+_LEADING = {lead: tuple(lead + word for word in _WORDS) for lead in ("", " ")}
+
+
+def token_logprob(token: str, position: int, top: int) -> TokenLogprob:
+    """The sim's log probability of ``token`` at ``position`` (from 0) of an answer, with
+    ``top`` alternatives: the token itself first, then other words (from the word list,
+    at a place that moves with ``position``), each less likely than the one before."""
+    logprob = -0.05 - 0.125 * (position % 8)
+    raw = token.encode()
+    if not top:
+        return TokenLogprob(token, logprob, raw)
+    words = _LEADING[" " if token.startswith(" ") else ""]
+    alternatives = [TokenLogprob(token, logprob, raw)]
+    at = position
+    while len(alternatives) < top:
+        text = words[at % len(words)]
+        at += 1
+        if text != token:
+            value = logprob - 0.75 * len(alternatives)
+            alternatives.append(TokenLogprob(text, value, text.encode()))
+    return TokenLogprob(token, logprob, raw, tuple(alternatives))
+
+
+def prompt_logprobs(prompt: str, top: int) -> PromptLogprobs:
+    """The rendered ``prompt``'s tokens (the pieces it splits into, joined: the prompt)
+    with the sim's log probabilities: its first token has none, the others
+    :func:`token_logprob`'s, by their place in the prompt."""
+    pieces = _PROMPT_TOKEN_RE.findall(prompt)
+    return PromptLogprobs(
+        pieces[0] if pieces else "",
+        tuple(token_logprob(p, i, top) for i, p in enumerate(pieces[1:], 1)),
+    )
 
 
 def tool_call_plan(request: GenerationRequest) -> tuple[ToolCallDelta, ...]:
@@ -204,14 +249,19 @@ def _cut_at_stop(tokens: list[str], stop: Sequence[str]) -> list[str]:
     return out
 
 
+_Plan: TypeAlias = tuple[list[str | ToolCallDelta], FinishReason, int, str]
+"""An answer's tokens, how it ends, and its prompt's tokens and text."""
+
+
 @dataclass(eq=False, slots=True)
 class _Stream:
     request_id: str
-    tokens: deque[str | ToolCallDelta]
+    tokens: deque[str | TextDelta | ToolCallDelta]  # TextDelta: a token with its logprob
     finish: FinishReason
     usage_in: int
     generated: int = 0  # the whole answer's: a continuation starts at what was sent
     aborted: bool = False  # abort() asked: confirmed and dropped at the next step
+    prompt_logprobs: PromptLogprobs | None = None  # reported with the prompt's tokens
 
 
 def _after(tokens: list[str | ToolCallDelta], sent: str) -> list[str | ToolCallDelta]:
@@ -229,6 +279,8 @@ class SimEngine(Engine):
     name = "sim"
     can_continue = True
     can_fill_in_middle = True
+    reports_logprobs = True
+    reports_prompt_logprobs = True
 
     def __init__(
         self,
@@ -293,6 +345,11 @@ class SimEngine(Engine):
         self._streams[request.request_id] = stream
         self._wake.set()
 
+    def check(self, request: GenerationRequest) -> None:
+        if request.prompt is not None and not isinstance(request.prompt, str):
+            check_token_ids(request.prompt, VOCAB_SIZE)
+        super().check(request)
+
     def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
@@ -300,10 +357,8 @@ class SimEngine(Engine):
 
     def _open(self, request: GenerationRequest) -> _Stream:
         budget = request.sampling.max_output_tokens
-        if request.prompt is not None:
-            tokens, finish, prompt_tokens = self._plan_raw(request)
-        else:
-            tokens, finish, prompt_tokens = self._plan_chat(request)
+        plan = self._plan_raw if request.prompt is not None else self._plan_chat
+        tokens, finish, prompt_tokens, prompt = plan(request)
         sent = 0  # tokens of the answer a stopped gateway already sent (a continuation)
         if request.continuation and finish != "tool_calls":
             rest = _after(tokens, request.continuation)
@@ -312,25 +367,34 @@ class SimEngine(Engine):
         # The budget and the usage are the whole answer's, what was sent before included.
         if budget is not None and sent + len(tokens) > budget:
             tokens, finish = tokens[: max(0, budget - sent)], "length"
-        return _Stream(request.request_id, deque(tokens), finish, prompt_tokens, sent)
+        top = request.sampling.logprobs
+        outputs: Sequence[str | TextDelta | ToolCallDelta] = tokens
+        if top is not None:  # made now, so that a step costs what it did without them
+            outputs = [
+                TextDelta(t, logprobs=(token_logprob(t, sent + i, top),))
+                if isinstance(t, str)
+                else t
+                for i, t in enumerate(tokens)
+            ]
+        stream = _Stream(request.request_id, deque(outputs), finish, prompt_tokens, sent)
+        if request.sampling.prompt_logprobs is not None:
+            stream.prompt_logprobs = prompt_logprobs(prompt, request.sampling.prompt_logprobs)
+        return stream
 
-    def _plan_chat(
-        self, request: GenerationRequest
-    ) -> tuple[list[str | ToolCallDelta], FinishReason, int]:
-        """A conversation's answer: its tokens, how it ends, and the prompt's tokens."""
+    def _plan_chat(self, request: GenerationRequest) -> _Plan:
+        """A conversation's answer: its tokens, how it ends, the prompt's tokens and text."""
         messages: Sequence[Message] = request.messages
         budget = request.sampling.max_output_tokens
         if self.context_tokens is not None:
             answer_room = min(budget or self.response_tokens, self.context_tokens // 2)
             messages, _ = fit_to_context(messages, count_tokens, self.context_tokens - answer_room)
+        prompt, prompt_tokens = render(messages), count_tokens(messages)
         if calls := tool_call_plan(replace(request, messages=tuple(messages))):
-            return list(calls), "tool_calls", count_tokens(messages)
-        text = tool_output_answer(messages) or answer_tokens(render(messages), self.response_tokens)
-        return list(_cut_at_stop(text, request.sampling.stop)), "stop", count_tokens(messages)
+            return list(calls), "tool_calls", prompt_tokens, prompt
+        text = tool_output_answer(messages) or answer_tokens(prompt, self.response_tokens)
+        return list(_cut_at_stop(text, request.sampling.stop)), "stop", prompt_tokens, prompt
 
-    def _plan_raw(
-        self, request: GenerationRequest
-    ) -> tuple[list[str | ToolCallDelta], FinishReason, int]:
+    def _plan_raw(self, request: GenerationRequest) -> _Plan:
         """A raw prompt's answer, as a language model continues text: nothing is dropped
         to fit, and what cannot fit is refused."""
         text, prompt_tokens = raw_prompt(request)
@@ -350,7 +414,8 @@ class SimEngine(Engine):
                 )
             if len(words) > room:
                 words, finish = words[:room], "length"
-        return words, finish, prompt_tokens
+        prompt = text if request.suffix is None else text.split(FILL_MARK)[0]
+        return words, finish, prompt_tokens, prompt
 
     async def _step_loop(self) -> None:
         # Steps fall due on a fixed clock, as on a GPU that computes whatever the
@@ -400,6 +465,9 @@ class SimEngine(Engine):
             return True
         if self.stall_after is not None and stream.generated >= self.stall_after:
             return False
+        if stream.prompt_logprobs is not None:  # once, before the first token (if any)
+            out.append((rid, stream.prompt_logprobs))
+            stream.prompt_logprobs = None
         if stream.tokens:
             if not stream.generated:
                 out.append((rid, PromptTokens(stream.usage_in)))

@@ -17,6 +17,9 @@ A thin adapter over exactly these calls (TensorRT-LLM 1.x; file names below are 
   (``_torch/pyexecutor/py_executor.py``, ``_handle_canceled_requests``). So after an abort
   nothing waits for an answer: whenever the stream is left before its end (task cancelled,
   generator closed, error), ``abort()`` is called and the stream is forgotten.
+- Log probabilities: ``SamplingParams(logprobs=20, prompt_logprobs=20)`` when a request asks
+  for them, read from each output's ``logprobs`` (``logprobs_diff``) and ``prompt_logprobs``
+  (gateway/engines/trtllm_logprobs.py says how, and why 20).
 - ``llm.shutdown()`` joins the worker processes, so it runs on a thread. It queues aborts but
   promises no final outputs: :meth:`TrtllmEngine.close` ends its own streams first
   (``engine_closed``). It may re-raise a stored background error at its end
@@ -53,10 +56,11 @@ import re
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from gateway.engines.base import (
+    MAX_TOP_LOGPROBS,
     ContextOverflowError,
     EngineError,
     EngineUnavailableError,
@@ -64,7 +68,9 @@ from gateway.engines.base import (
     FinishReason,
     GenerationRequest,
     InvalidRequestError,
+    LogprobsUnsupportedError,
     Message,
+    PromptLogprobs,
     PromptTokens,
     SamplingParams,
     StreamEvent,
@@ -77,6 +83,7 @@ from gateway.engines.base import (
 )
 from gateway.engines.openai_chat import tools_body
 from gateway.engines.toolparse import SUPPORTED, ToolCallText, detect_format
+from gateway.engines.trtllm_logprobs import LogprobCursor, prompt_logprobs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -239,6 +246,8 @@ class TrtllmEngine(StreamingEngine):
     # From the answer's own token ids (GenerationRequest.continuation_token_ids): the
     # prompt's ids, then the answer's, with no re-tokenization.
     can_continue = True
+    reports_logprobs = True
+    reports_prompt_logprobs = True
 
     def __init__(self, settings: TrtllmSettings, *, llm: Any = None) -> None:
         """``llm``: an already loaded ``tensorrt_llm.LLM`` to serve instead of loading one
@@ -559,10 +568,7 @@ class TrtllmEngine(StreamingEngine):
         if isinstance(prompt, str):
             ids: list[int] = self._llm.tokenizer.encode(prompt, add_special_tokens=True)
         else:
-            assert prompt is not None
-            vocab = getattr(getattr(self._llm, "_hf_model_config", None), "vocab_size", None)
-            if vocab:
-                check_token_ids(prompt, int(vocab))
+            assert prompt is not None  # its ids were checked against the vocabulary (check)
             ids = list(prompt)  # generate_async takes a list (a tuple is a TypeError)
         if len(ids) > self._prompt_limit:
             raise ContextOverflowError(
@@ -622,6 +628,11 @@ class TrtllmEngine(StreamingEngine):
             # _handle_sequence), and usage would miss tokens the model did generate. The
             # adapter cuts the stop string from the text itself (_StopHoldback).
             include_stop_str_in_output=True,
+            # The top 20 whatever the client wants: see gateway/engines/trtllm_logprobs.py.
+            **_without_none(
+                logprobs=None if sampling.logprobs is None else MAX_TOP_LOGPROBS,
+                prompt_logprobs=None if sampling.prompt_logprobs is None else MAX_TOP_LOGPROBS,
+            ),
         )
 
     # -- generation --------------------------------------------------------------------
@@ -632,9 +643,9 @@ class TrtllmEngine(StreamingEngine):
             calls = self._tool_call_text(request)
             prompt_ids = self._fit(request) if request.prompt is None else self._raw_ids(request)
             if request.sampling.max_output_tokens == 0:
-                # Nothing to generate (a legacy echo of the prompt alone): counted only.
-                yield PromptTokens(len(prompt_ids))
-                yield Finished("length", Usage(len(prompt_ids), 0))
+                # Nothing to generate (a legacy echo of the prompt alone).
+                async for event in self._prompt_only(request, prompt_ids):
+                    yield event
                 return
             answer = self._answer_so_far(request)
             params = self._sampling_params(request.sampling, len(prompt_ids), len(answer.ids))
@@ -657,6 +668,33 @@ class TrtllmEngine(StreamingEngine):
                     f"TensorRT-LLM refused the prompt as too long for its context window "
                     f"({_one_line(exc.message)})"
                 ) from None
+
+    async def _prompt_only(
+        self, request: GenerationRequest, prompt_ids: list[int]
+    ) -> AsyncIterator[StreamEvent]:
+        """The prompt counted, and its log probabilities where asked: TensorRT-LLM reports
+        them with a generation, so one token is generated and dropped."""
+        yield PromptTokens(len(prompt_ids))
+        if request.sampling.prompt_logprobs is not None:
+            one = replace(request.sampling, max_output_tokens=1, logprobs=None)
+            params = self._sampling_params(one, len(prompt_ids))
+            generation = self._generate(
+                replace(request, sampling=one), prompt_ids, params, None, _AnswerSoFar((), "")
+            )
+            async with contextlib.aclosing(generation) as events:
+                async for event in events:
+                    if isinstance(event, PromptLogprobs):
+                        yield event
+        yield Finished("length", Usage(len(prompt_ids), 0))
+
+    def check(self, request: GenerationRequest) -> None:
+        """Also a raw prompt's token ids, against the model config's vocabulary: an id beyond
+        it is an out-of-range read in a GPU kernel, which kills the executor."""
+        config = getattr(self._llm, "_hf_model_config", None)
+        vocab = getattr(config, "vocab_size", None)
+        if vocab and isinstance(request.prompt, tuple):
+            check_token_ids(request.prompt, int(vocab))
+        super().check(request)
 
     def _check_usable(self) -> None:
         if self.failure is not None:
@@ -691,15 +729,28 @@ class TrtllmEngine(StreamingEngine):
         self._live.add(live)  # no await since generate_async: close() cannot have missed it
         held = _StopHoldback(tuple(request.sampling.stop))
         ids = _TokenIds()
+        sampling = request.sampling
+        logprobs = None
+        if sampling.logprobs is not None:
+            logprobs = LogprobCursor(llm.tokenizer, sampling.logprobs)
+        prompt_due = sampling.prompt_logprobs is not None
         lead = answer.held_text  # decoded from the answer's ids, not sent yet
         finished = False
+
+        def attach(event: StreamEvent, completion: Any) -> StreamEvent:
+            event = ids.attach(event, completion.token_ids)
+            return event if logprobs is None else logprobs.attach(event, completion)
+
         try:
             async for out in output:
                 completion = out.outputs[0]
+                if prompt_due:  # before the first delta
+                    prompt_due = False
+                    yield self._prompt_logprobs(out, completion, sampling.prompt_logprobs)
                 if completion.finish_reason is None:
                     if text := held.feed(lead + completion.text):
                         for event in calls.feed(text) if calls else [TextDelta(text)]:
-                            yield ids.attach(event, completion.token_ids)
+                            yield attach(event, completion)
                     continue
                 finished = True
                 finish: FinishReason = _finish_reason(completion.finish_reason)
@@ -707,7 +758,7 @@ class TrtllmEngine(StreamingEngine):
                 tail = [*calls.feed(text), *calls.finish()] if calls else [TextDelta(text)]
                 for event in tail:
                     if not isinstance(event, TextDelta) or event.text:
-                        yield ids.attach(event, completion.token_ids)
+                        yield attach(event, completion)
                 if calls and calls.calls and finish == "stop":
                     finish = "tool_calls"
                 yield Finished(finish, _usage(out, completion, len(answer.ids)))
@@ -733,6 +784,14 @@ class TrtllmEngine(StreamingEngine):
             if not finished:
                 live.abort()
         raise EngineError("engine_error", "TensorRT-LLM ended the stream without a finish reason")
+
+    def _prompt_logprobs(self, out: Any, completion: Any, top: int | None) -> PromptLogprobs:
+        reported = completion.prompt_logprobs
+        if not reported:
+            raise LogprobsUnsupportedError(
+                "TensorRT-LLM returned no log probabilities for the prompt."
+            )
+        return prompt_logprobs(self._llm.tokenizer, out.prompt_token_ids, reported, top or 0)
 
     def _tool_call_text(self, request: GenerationRequest) -> ToolCallText | None:
         """The parser of the model's calls for a request with tools (None without); a model

@@ -7,6 +7,12 @@ prompt's: ``POST /v1/completions``) on the replica the :class:`Router` picks;
 its SSE chunks become :class:`TextDelta` (and :class:`ToolCallDelta` for the
 ``tool_calls`` of a request with tools, which are forwarded as
 ``tools``/``tool_choice``) and its finish reason and usage one :class:`Finished`.
+A request that asks for log probabilities sends ``logprobs`` and ``top_logprobs`` on
+(a raw prompt's, ``logprobs: N``) and takes the replica's back with each delta (in the
+chat shape, or the legacy completion shape vLLM answers ``/v1/completions`` in); a
+replica that sends text without them fails the request with a 400 that says so (never
+an answer with an empty list). Prompt log probabilities are refused: a streamed
+completion carries none (vLLM refuses ``prompt_logprobs`` with ``stream``).
 
 Cancelling closes the HTTP response before its body is read to the end, which
 closes that connection: every one of these servers aborts a generation whose
@@ -48,14 +54,22 @@ from gateway.engines.base import (
     FinishReason,
     GenerationRequest,
     InvalidRequestError,
+    LogprobsUnsupportedError,
     Message,
     StreamEvent,
     StreamingEngine,
     TextDelta,
+    TokenLogprob,
     Usage,
     chat_messages,
+    clamp_logprob,
 )
-from gateway.engines.openai_chat import tool_call_deltas, tools_body
+from gateway.engines.openai_chat import (
+    choice_logprobs,
+    logprobs_body,
+    tool_call_deltas,
+    tools_body,
+)
 
 if TYPE_CHECKING:
     import httpx
@@ -153,6 +167,7 @@ class _ReplicaFailed(Exception):
 
 class UpstreamEngine(StreamingEngine):
     name = "upstream"
+    reports_logprobs = True  # as the replicas do: one that sends none fails the request
 
     def __init__(
         self,
@@ -325,6 +340,20 @@ class UpstreamEngine(StreamingEngine):
 
     # -- generation --------------------------------------------------------------
 
+    def check(self, request: GenerationRequest) -> None:
+        if request.sampling.prompt_logprobs is not None:
+            raise LogprobsUnsupportedError(
+                "The upstream pool streams its completions, which carry no log "
+                "probabilities for the prompt's own tokens."
+            )
+        if request.sampling.max_output_tokens == 0:
+            # llama.cpp's server would still make a token, and vLLM refuses it.
+            raise InvalidRequestError(
+                "unsupported_value",
+                "The upstream pool generates at least one token: 'max_tokens' must be 1 or more.",
+            )
+        super().check(request)
+
     @property
     def can_continue(self) -> bool:  # type: ignore[override]
         """Whether a takeover's continuation can go to some replica of the pool."""
@@ -337,12 +366,6 @@ class UpstreamEngine(StreamingEngine):
         so that the client sees one answer; else it fails with ``upstream_failed``."""
         tried: list[Replica] = []
         self._check_ready()
-        if request.sampling.max_output_tokens == 0:
-            # llama.cpp's server would still make a token, and vLLM refuses it.
-            raise InvalidRequestError(
-                "unsupported_value",
-                "The upstream pool generates at least one token: 'max_tokens' must be 1 or more.",
-            )
         prefix, earlier_tokens, moves = request.continuation, 0, 0
         while (replica := self._choose(request, tried, prefix)) is not None:
             tried.append(replica)
@@ -495,7 +518,7 @@ class UpstreamEngine(StreamingEngine):
             try:
                 if response.status_code != 200:
                     raise _status_error(response.status_code, await response.aread())
-                async for event in _events(response):
+                async for event in _events(response, request.sampling.logprobs):
                     yield event
             finally:
                 await response.aclose()  # pools the connection only if the body was read to its end
@@ -511,6 +534,7 @@ class UpstreamEngine(StreamingEngine):
             "stream": True,
             "stream_options": {"include_usage": True},
             **tools_body(request),
+            **logprobs_body(request),
         }
         if (
             request.prompt is None
@@ -534,6 +558,10 @@ class UpstreamEngine(StreamingEngine):
             "presence_penalty": s.presence_penalty,
         }
         body.update({k: v for k, v in optional.items() if v is not None})
+        if request.prompt is not None and s.logprobs is not None:
+            # /v1/completions takes its alternatives as an integer ``logprobs``.
+            del body["top_logprobs"]
+            body["logprobs"] = max(1, s.logprobs)
         return body
 
     @staticmethod
@@ -583,9 +611,12 @@ async def _get(client: httpx.AsyncClient, path: str) -> httpx.Response:
     )
 
 
-async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
+async def _events(
+    response: httpx.Response, logprobs: int | None = None
+) -> AsyncIterator[StreamEvent]:
     """Server-sent ``chat.completion.chunk`` (or ``text_completion``) events -> deltas,
-    then one Finished.
+    then one Finished. ``logprobs``: the request's (each delta then carries its text's,
+    from the chunk).
 
     The Finished comes only after the body is read to its very end: ``[DONE]``
     is followed by the chunked terminator, and a response left before that is
@@ -616,7 +647,10 @@ async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
             delta = choice.get("delta") or {}
             # A chat chunk's text is its delta's content; a completion chunk's, its text.
             text = delta.get("content") or choice.get("text")
-            if text:
+            if text and logprobs is not None:
+                deltas += 1
+                yield TextDelta(text, logprobs=_text_logprobs(choice, logprobs))
+            elif text:
                 deltas += 1
                 yield TextDelta(text)
             for call in tool_call_deltas(delta):
@@ -627,6 +661,42 @@ async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
     if reason is None:
         raise _ReplicaFailed("the stream ended without a finish reason")
     yield Finished(reason, usage or Usage(0, deltas))
+
+
+def _text_logprobs(choice: dict[str, Any], top: int) -> tuple[TokenLogprob, ...]:
+    """The log probabilities that come with a choice's text; a replica that sends none
+    cannot report them (a 400: the client asked for what this pool cannot give)."""
+    logprobs = choice_logprobs(choice, top) or legacy_logprobs(choice.get("logprobs"), top)
+    if logprobs is None:
+        raise LogprobsUnsupportedError(
+            "The upstream server returned no log probabilities with its text: it cannot "
+            "report them; ask without logprobs."
+        )
+    return logprobs
+
+
+def legacy_logprobs(raw: object, top: int) -> tuple[TokenLogprob, ...] | None:
+    """A completion choice's log probabilities in the legacy shape (``tokens``,
+    ``token_logprobs``, ``top_logprobs`` as ``{token: logprob}``), as vLLM sends them;
+    None when ``raw`` is not that shape."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("tokens"), list):
+        return None
+    values, tops = raw.get("token_logprobs") or [], raw.get("top_logprobs") or []
+    out = []
+    for i, token in enumerate(raw["tokens"]):
+        value = values[i] if i < len(values) and isinstance(values[i], int | float) else None
+        logprob = clamp_logprob(float(value) if value is not None else float("-inf"))
+        alternatives = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+        ranked = sorted(alternatives.items(), key=lambda kv: -float(kv[1]))[:top] if top else []
+        out.append(
+            TokenLogprob(
+                str(token),
+                logprob,
+                str(token).encode(),
+                tuple(TokenLogprob(t, clamp_logprob(float(v)), t.encode()) for t, v in ranked),
+            )
+        )
+    return tuple(out)
 
 
 FINISH_REASONS: dict[str, FinishReason] = {
@@ -707,6 +777,10 @@ def _status_error(status: int, body: bytes) -> Exception:
         return _ReplicaFailed(f"HTTP {status}: {message}", down=False)
     if status >= 500:  # 502/503/504: the replica (or what is in front of it) is down
         return _ReplicaFailed(f"HTTP {status}: {message}")
+    if status == 400 and "logprob" in message.lower():
+        return LogprobsUnsupportedError(
+            f"The upstream server cannot report these log probabilities: {message}"
+        )
     if status in (401, 403):
         return EngineError(
             "upstream_auth",

@@ -11,13 +11,22 @@ the ``chat.completion`` and ``chat.completion.chunk`` objects.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from gateway.engines.base import TOOL_CHOICE_MODES, Message, Tool, ToolCall, ToolChoice, Usage
+from gateway.engines.base import (
+    MAX_TOP_LOGPROBS,
+    TOOL_CHOICE_MODES,
+    Message,
+    TokenLogprob,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    Usage,
+)
 from sessions.codec import (
     JSON,
     MAX_ID_CHARS,
@@ -113,6 +122,8 @@ class ChatBody:
     metadata: dict[str, str] | None = None
     affinity_key: str | None = None
     n: int = 1  # choices, each its own answer
+    # ``logprobs: true``: its ``top_logprobs`` (0 when unset); None: no log probabilities.
+    logprobs: int | None = None
 
     @property
     def has_system(self) -> bool:
@@ -184,10 +195,44 @@ def read_body(obj: Mapping[str, Any]) -> ChatBody:
         fields["metadata"] = read_metadata(r)
     if obj.get("prompt_cache_key") is not None:
         fields["affinity_key"] = PROMPT_CACHE_KEY + r.string("prompt_cache_key", max_chars=256)
+    fields["logprobs"] = read_logprobs(r)
     for key in IGNORED:
         if obj.get(key) is not None and key in ("user", "safety_identifier"):
             r.string(key, max_chars=256)
     return ChatBody(**fields)
+
+
+def read_logprobs(r: Reader) -> int | None:
+    """``logprobs`` (a boolean) and ``top_logprobs`` (0-20, only with ``logprobs: true``,
+    as OpenAI has it): how many alternatives each token comes with, or None for none."""
+    asked = r.obj.get("logprobs") is not None and _boolean(r, "logprobs")
+    top = r.obj.get("top_logprobs")
+    if top is None:
+        return 0 if asked else None
+    if isinstance(top, bool) or not isinstance(top, int):
+        raise r.fail("top_logprobs", "'top_logprobs' must be an integer.", "invalid_type")
+    if top < 0:
+        raise r.fail(
+            "top_logprobs",
+            "Invalid 'top_logprobs': integer below minimum value. Expected a value >= 0, "
+            f"but got {top} instead.",
+            "integer_below_min_value",
+        )
+    if top > MAX_TOP_LOGPROBS:
+        raise r.fail(
+            "top_logprobs",
+            "Invalid 'top_logprobs': integer above maximum value. Expected a value <= "
+            f"{MAX_TOP_LOGPROBS}, but got {top} instead.",
+            "integer_above_max_value",
+        )
+    if not asked:
+        if top == 0:
+            return None  # asks for nothing
+        raise r.fail(
+            "top_logprobs",
+            "The 'top_logprobs' parameter is only allowed when 'logprobs' is enabled.",
+        )
+    return top
 
 
 def _boolean(r: Reader, key: str) -> bool:
@@ -209,10 +254,6 @@ def _refuse_what_is_not_served(r: Reader) -> None:
                 'Only \'response_format\' {"type": "text"} is served: the engines here do '
                 "not constrain their output to JSON.",
             )
-    if obj.get("logprobs"):
-        raise _unsupported(r, "logprobs", "The engines here do not report log probabilities.")
-    if obj.get("top_logprobs"):
-        raise _unsupported(r, "top_logprobs", "The engines here do not report log probabilities.")
     for key, message in REFUSED.items():
         value = obj.get(key)
         if key == "modalities" and value in (["text"], None):
@@ -360,6 +401,33 @@ def usage_json(usage: Usage) -> JSON:
     }
 
 
-def chunk_json(head: JSON, delta: JSON, finish_reason: str | None = None, index: int = 0) -> JSON:
-    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+def chunk_json(
+    head: JSON,
+    delta: JSON,
+    finish_reason: str | None = None,
+    logprobs: Sequence[TokenLogprob] | None = None,
+    index: int = 0,
+) -> JSON:
+    choice = {
+        "index": index,
+        "delta": delta,
+        "logprobs": None if logprobs is None else logprobs_json(logprobs),
+        "finish_reason": finish_reason,
+    }
     return {**head, "choices": [choice]}
+
+
+def logprobs_json(logprobs: Sequence[TokenLogprob]) -> JSON:
+    """A choice's ``logprobs`` (a chunk's, or the whole message's)."""
+    return {"content": [token_logprob_json(lp) for lp in logprobs], "refusal": None}
+
+
+def token_logprob_json(lp: TokenLogprob) -> JSON:
+    return {
+        "token": lp.token,
+        "logprob": lp.logprob,
+        "bytes": list(lp.bytes),
+        "top_logprobs": [
+            {"token": top.token, "logprob": top.logprob, "bytes": list(top.bytes)} for top in lp.top
+        ],
+    }

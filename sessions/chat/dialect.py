@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
 
-from gateway.engines.base import Message, SamplingParams
+from gateway.engines.base import Message, PromptLogprobs, SamplingParams, TokenLogprob
 from gateway.scheduler import Outcome
 from sessions import codec
 from sessions.chat import codec as cc
@@ -39,11 +40,14 @@ from sessions.core import CallState, ResponseSpec, ResponseState, Session
 from sessions.errors import ProtocolError
 
 _DELTA = b'%b,"delta":{"content":%b},"logprobs":null,"finish_reason":null}]}'
+_DELTA_LOGPROBS = b'%b,"delta":{"content":%b},"logprobs":%b,"finish_reason":null}]}'
 
 
 def chat_framing() -> ChoiceFraming:
     """A content delta of a ``chat.completion.chunk``, as bytes."""
-    return ChoiceFraming(_DELTA)
+    return ChoiceFraming(
+        _DELTA, _DELTA_LOGPROBS, lambda logprobs, _offset: cc.logprobs_json(logprobs)
+    )
 
 
 class ChatDialect(OneRequest):
@@ -99,6 +103,7 @@ class ChatDialect(OneRequest):
             stop=chosen(body.stop, c.stop),
             frequency_penalty=chosen(body.frequency_penalty, c.frequency_penalty),
             presence_penalty=chosen(body.presence_penalty, c.presence_penalty),
+            logprobs=body.logprobs,
         )
         self._body = body
         self._head = {
@@ -120,11 +125,18 @@ class ChatDialect(OneRequest):
         self._choices = Choices(core, self.framing)
         self._choices.start([spec] * body.n, self._head["id"])
 
-    def _put(self, r: ResponseState, delta: codec.JSON, finish_reason: str | None = None) -> None:
+    def _put(
+        self,
+        r: ResponseState,
+        delta: codec.JSON,
+        finish_reason: str | None = None,
+        logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> None:
         body = self._body
         if body is not None and body.stream:
             index = self.choices.index(r)
-            self.core.outbox.put(cc.chunk_json(self._head, delta, finish_reason, index))
+            chunk = cc.chunk_json(self._head, delta, finish_reason, logprobs, index)
+            self.core.outbox.put(chunk)
 
     def error(self, err: ProtocolError) -> None:
         if not self._started:
@@ -149,8 +161,13 @@ class ChatDialect(OneRequest):
     def text_opened(self, r: ResponseState) -> None:
         """The message has no item of its own on this API: its text is the content."""
 
-    def text_delta(self, r: ResponseState, text: str) -> None:
-        self._put(r, {"content": text})
+    def text_delta(
+        self, r: ResponseState, text: str, logprobs: tuple[TokenLogprob, ...] | None
+    ) -> None:
+        self._put(r, {"content": text}, logprobs=logprobs)
+
+    def prompt_logprobs(self, r: ResponseState, logprobs: PromptLogprobs) -> None:
+        """Never asked for on this API (the prompt is messages, not text to echo)."""
 
     def call_opened(self, r: ResponseState, call: CallState) -> None:
         index = self._calls[call.item_id] = len(r.calls) - 1  # counted within its choice
@@ -195,7 +212,11 @@ class ChatDialect(OneRequest):
                 "index": index,
                 "message": self._message(ended.response, ended.outcome),
                 "finish_reason": self._finish_reason(ended.response, ended.outcome),
-                "logprobs": None,
+                # The whole answer's log probabilities are for ``stream: false`` (the body
+                # the route answers with): a stream's client has them in its chunks.
+                "logprobs": None
+                if ended.outcome.logprobs is None or body.stream
+                else cc.logprobs_json(ended.outcome.logprobs),
             }
             for index, ended in sorted(self.choices.ended.items())
         ]

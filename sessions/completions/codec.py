@@ -12,19 +12,19 @@ list of those (one answer, or ``n``, per prompt).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from gateway.engines.base import Prompt, Usage
+from gateway.engines.base import MAX_TOP_LOGPROBS, Prompt, PromptLogprobs, TokenLogprob, Usage
 from sessions.chat.codec import MAX_N
 from sessions.codec import JSON, PENALTY_RANGE, UNSET, Reader, Unset
 from sessions.errors import ProtocolError
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) when a request sets none
-MAX_LOGPROBS = 20  # alternatives per token (OpenAI's legacy limit is 5; engines give 20)
+MAX_LOGPROBS = MAX_TOP_LOGPROBS  # alternatives per token (OpenAI's legacy limit: 5)
 MAX_PROMPTS = MAX_N  # prompts in one request (each at least one choice: --max-choices)
 
 SERVED = frozenset(
@@ -212,6 +212,46 @@ def usage_json(usage: Usage) -> JSON:
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+
+
+def logprobs_json(logprobs: Sequence[TokenLogprob], offset: int = 0) -> JSON:
+    """Tokens' log probabilities in the legacy shape; ``offset``: where the first token's
+    text starts in its choice's text (``text_offset`` counts from the text's start)."""
+    offsets = []
+    for lp in logprobs:
+        offsets.append(offset)
+        offset += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in logprobs],
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{top.token: top.logprob for top in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def prompt_logprobs_json(prompt: PromptLogprobs) -> JSON:
+    """An echoed prompt's tokens in the legacy shape: its first token has no log
+    probability (nothing before it predicts it), so its entries are null."""
+    rest = logprobs_json(prompt.tokens, len(prompt.first))
+    return {
+        "tokens": [prompt.first, *rest["tokens"]],
+        "token_logprobs": [None, *rest["token_logprobs"]],
+        "top_logprobs": [None, *rest["top_logprobs"]],
+        "text_offset": [0, *rest["text_offset"]],
+    }
+
+
+def joined_logprobs(parts: Sequence[JSON]) -> JSON:
+    """Legacy log probabilities of consecutive pieces of one text, as one."""
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    return {key: [value for part in parts for value in part[key]] for key in keys}
+
+
+def mean_logprob(logprobs: Sequence[TokenLogprob] | None) -> float:
+    """What ``best_of`` ranks an answer by: its tokens' mean log probability."""
+    if not logprobs:
+        return float("-inf")
+    return sum(lp.logprob for lp in logprobs) / len(logprobs)
 
 
 def choice_json(index: int, text: str, finish_reason: str | None, logprobs: JSON | None) -> JSON:

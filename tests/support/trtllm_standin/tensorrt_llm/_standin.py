@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tensorrt_llm.executor.result import Logprob, TokenLogprobs
+
 try:  # what real chat templates raise through ``raise_exception``
     from jinja2.exceptions import TemplateError
 except ImportError:  # jinja2 is not installed with the gateway's test dependencies
@@ -73,6 +75,10 @@ class Controls:
     # The tokenizer's Jinja template text (HF's ``tokenizer.chat_template``), from which the
     # adapter tells the model's tool-call format.
     chat_template_text: str | None = None
+    # Where the token the "model" generates ranks in its distribution (1: likeliest). A
+    # rank beyond SamplingParams.logprobs leaves it out of the top-k the worker reports,
+    # as the real PyTorch sampler does (_torch/pyexecutor/sampler.py, handle_logprobs).
+    sampled_rank: int = 1
 
 
 @dataclass
@@ -284,9 +290,31 @@ class ErrorResponse:
     message: str
 
 
-# One item the worker posts to a request's loop: new token ids, finish reason, cached tokens;
-# or an ErrorResponse.
-Post = tuple[list[int], str | None, int] | ErrorResponse
+# One item the worker posts to a request's loop: new token ids, finish reason, cached tokens,
+# the new tokens' log probabilities and the prompt's (None when not asked); or an
+# ErrorResponse.
+Post = tuple[list[int], str | None, int, TokenLogprobs | None, TokenLogprobs | None] | ErrorResponse
+# The top-k alternatives' words (each one id of the stand-in tokenizer).
+_ALTERNATIVES = tuple(f"alt{n}" for n in range(1, 21))
+
+
+def logprob_value(position: int, rank: int) -> float:
+    """The stand-in model's log probability for the token of ``rank`` at ``position``."""
+    return -0.1 - 0.5 * (rank - 1) - 0.01 * (position % 10)
+
+
+def top_logprobs(
+    tokenizer: StandinTokenizer, token: int, position: int, k: int, rank: int = 1
+) -> dict[int, Logprob]:
+    """The top ``k`` of the distribution at ``position`` whose token ``token`` ranks
+    ``rank``: as the real sampler reports them (top-k only, ranks from 1), the other ranks
+    held by the alternative words."""
+    others = iter(tokenizer.encode(w, add_special_tokens=False)[0] for w in _ALTERNATIVES)
+    ranked = {}
+    for r in range(1, k + 1):
+        tid = token if r == rank else next(others)
+        ranked[tid] = Logprob(logprob_value(position, r), r)
+    return ranked
 
 
 @dataclass
@@ -299,8 +327,11 @@ class _Active:
     deliver: Callable[[Post], None]
     streaming: bool
     cached: int
+    logprobs: int = 0  # top-k per token (SamplingParams.logprobs; 0: none)
+    prompt_logprobs: TokenLogprobs | None = None  # reported with every response
     output_ids: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)  # held back when not streaming
+    pending_logprobs: TokenLogprobs = field(default_factory=list)
     abort_seen_at: int | None = None  # step at which abort() was observed
 
 
@@ -374,11 +405,25 @@ class StepEngine:
             deliver=deliver,
             streaming=record.streaming,
             cached=self.cached_prefix(record.prompt_token_ids),
+            logprobs=sp.logprobs or 0,
+            prompt_logprobs=self._prompt_logprobs(record.prompt_token_ids, plan, sp),
         )
         with self._cond:
             self._waiting.append(active)
             stats._add_running(1)
             self._cond.notify()
+
+    def _prompt_logprobs(self, prompt: list[int], plan: list[int], sp: Any) -> TokenLogprobs | None:
+        """From the context logits, as the real worker computes them (executor/result.py,
+        compute_logprobs): position t's top-k predicts token t + 1 (the last one the first
+        generated token), and only the top-k is kept, the actual token's or not."""
+        if not sp.prompt_logprobs:
+            return None
+        following = [*prompt[1:], plan[0] if plan else EOS_ID]
+        return [
+            top_logprobs(self._tokenizer, token, t, sp.prompt_logprobs)
+            for t, token in enumerate(following)
+        ]
 
     def _answered(self, prompt: list[int], plan: list[int]) -> int:
         """Tokens of the reply the prompt already holds after its last generation prompt.
@@ -515,6 +560,11 @@ class StepEngine:
             self._drop(active)
             self._finish(active, "end_id", [])
             return
+        logprobs = []
+        if active.logprobs:
+            position = len(active.output_ids)
+            rank = controls.sampled_rank
+            logprobs.append(top_logprobs(self._tokenizer, token, position, active.logprobs, rank))
         record.generated += 1
         if record.aborted:
             record.tokens_after_abort += 1
@@ -522,22 +572,35 @@ class StepEngine:
         forced = controls.finish_with
         if forced is not None and record.generated >= controls.finish_after:
             self._drop(active)
-            self._finish(active, forced, [token])
+            self._finish(active, forced, [token], logprobs)
         elif any(active.output_ids[-len(w) :] == w for w in active.stop_words if w):
             self._drop(active)
-            self._finish(active, "stop_words", [token])
+            self._finish(active, "stop_words", [token], logprobs)
         elif record.generated >= active.max_tokens:
             self._drop(active)
-            self._finish(active, "length", [token])
+            self._finish(active, "length", [token], logprobs)
         elif active.streaming:
-            _post(active.deliver, ([token], None, active.cached))
+            _post(active.deliver, ([token], None, active.cached, *self._logprobs(active, logprobs)))
         else:
             active.pending.append(token)
+            active.pending_logprobs += logprobs
 
-    def _finish(self, active: _Active, reason: str, tokens: list[int]) -> None:
+    def _logprobs(
+        self, active: _Active, new: TokenLogprobs
+    ) -> tuple[TokenLogprobs | None, TokenLogprobs | None]:
+        """What a response carries of them: the new tokens' (when asked) and the prompt's
+        (every response, as the PyTorch worker returns them)."""
+        return (new if active.logprobs else None), active.prompt_logprobs
+
+    def _finish(
+        self, active: _Active, reason: str, tokens: list[int], logprobs: TokenLogprobs | None = None
+    ) -> None:
         active.record.finish_reason = reason
-        _post(active.deliver, ([*active.pending, *tokens], reason, active.cached))
+        new = [*active.pending_logprobs, *(logprobs or [])]
+        tail = self._logprobs(active, new)
+        _post(active.deliver, ([*active.pending, *tokens], reason, active.cached, *tail))
         active.pending = []
+        active.pending_logprobs = []
         stats._add_running(-1)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from tensorrt_llm import _standin
 from tensorrt_llm._standin import RequestError
+from tensorrt_llm.executor.result import TokenLogprobs
 from tensorrt_llm.sampling_params import SamplingParams
 
 __all__ = [
@@ -59,13 +60,21 @@ class KvCacheConfig:
 
 @dataclass(slots=True)
 class CompletionOutput:
+    """As executor/result.py's: ``logprobs`` one dict (token id -> Logprob) per generated
+    token, the top ``SamplingParams.logprobs`` there; ``prompt_logprobs`` one per prompt
+    position (position t's predicts token t + 1)."""
+
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: TokenLogprobs = field(default_factory=list)
+    prompt_logprobs: TokenLogprobs = field(default_factory=list)
     finish_reason: str | None = None  # 'stop' | 'length' | 'timeout' | 'cancelled'
     stop_reason: int | str | None = None
     _last_text_len: int = field(default=0, repr=False)
     _last_token_ids_len: int = field(default=0, repr=False)
+    _last_logprobs_len: int = field(default=0, repr=False)
 
     @property
     def length(self) -> int:
@@ -78,6 +87,10 @@ class CompletionOutput:
     @property
     def token_ids_diff(self) -> list[int]:
         return self.token_ids[self._last_token_ids_len :]
+
+    @property
+    def logprobs_diff(self) -> TokenLogprobs:
+        return self.logprobs[self._last_logprobs_len :]
 
 
 _FINISH_REASONS = {
@@ -172,12 +185,18 @@ class RequestOutput:
         if isinstance(item, _standin.ErrorResponse):
             self._executor._handle_background_error(item.message)  # raises RequestError
             return
-        new_ids, reason, cached = item
+        new_ids, reason, cached, logprobs, prompt_logprobs = item
         out = self.outputs[0]
         self.cached_tokens = cached
         out._last_token_ids_len = len(out.token_ids)
         out._last_text_len = len(out.text)
         out.token_ids.extend(new_ids)
+        # As _handle_sequence: the prompt's replaced, the new tokens' appended.
+        if prompt_logprobs is not None:
+            out.prompt_logprobs = prompt_logprobs
+        if logprobs is not None:
+            out._last_logprobs_len = len(out.logprobs)
+            out.logprobs += logprobs
         if reason is not None:
             self._done = True
             out.finish_reason = _FINISH_REASONS[reason]
