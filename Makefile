@@ -83,6 +83,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.failover
 	$(BIN)/python -m bench.failover --replicas llamacpp
 	$(BIN)/python -m bench.takeover
+	$(BIN)/python -m bench.choices
 
 # examples/notebook.ipynb in JupyterLab, on the project's own environment (its kernel is
 # $(VENV)'s Python). JupyterLab is installed into $(VENV) on first use. Start the gateway

@@ -58,8 +58,8 @@ class Controls:
     step_s: float = field(default_factory=lambda: float(os.environ.get(STEP_ENV, "0.002")))
     max_position_embeddings: int = 2048  # the model config's context length
     # The model config's vocab_size: the embedding table's rows. The toy tokenizer's ids
-    # are a piece's bytes read as a number, so its default leaves room for any piece.
-    vocab_size: int = 1 << 63
+    # are a piece's bytes read as a number, unbounded: None (its default) bounds none.
+    vocab_size: int | None = None
     # Tokens the KV cache gets from GPU memory when KvCacheConfig.max_tokens is unset
     # (None: plenty). The worker caps its max_seq_len to what the KV cache holds.
     kv_cache_capacity: int | None = None
@@ -440,7 +440,8 @@ class StepEngine:
     def fatal(self, record: RequestRecord) -> str | None:
         """What kills the executor: a prompt token id beyond the embedding table is an
         out-of-range read in a GPU kernel (a device-side assert), not a request error."""
-        if any(not 0 <= t < controls.vocab_size for t in record.prompt_token_ids):
+        vocab = controls.vocab_size
+        if vocab is not None and any(not 0 <= t < vocab for t in record.prompt_token_ids):
             return "CUDA error: device-side assert triggered (an embedding index out of range)"
         return None
 
