@@ -32,7 +32,18 @@ OUT = Path(__file__).resolve().parent / "results" / "choices.md"
 
 
 def gateway_argv() -> list[str]:
-    return [sys.executable, "-m", "gateway", "--slots", str(CHOICES), "--log-level", "WARNING"]
+    # One llama.cpp thread: on a shared 2-core machine more threads spin against each other.
+    return [
+        sys.executable,
+        "-m",
+        "gateway",
+        "--slots",
+        str(CHOICES),
+        "--threads",
+        "1",
+        "--log-level",
+        "WARNING",
+    ]
 
 
 async def _stream(http: httpx.AsyncClient, body: dict[str, Any]) -> int:
@@ -94,12 +105,12 @@ def report(rows: list[dict[str, Any]]) -> str:
     lines = [
         "# n=4 choices against four requests, on the bundled model",
         "",
-        f"bench/choices.py: a gateway on llama.cpp (the bundled SmolLM2, {CHOICES} slots), the "
-        f"prompt {PROMPT!r}, {TOKENS} tokens per choice at most, temperature 1 with a seed "
-        f"(choice i's: the seed + i, both arms), streamed; {len(rows) // 2} rounds, the arms "
-        "alternating which goes first. *last end*: from sending to the last choice's end "
-        "(the stream's [DONE]); *CPU/token*: the gateway process's CPU time (llama.cpp's "
-        "threads included) per generated token.",
+        f"bench/choices.py: a gateway on llama.cpp (the bundled SmolLM2, {CHOICES} slots, "
+        f"one thread), the prompt {PROMPT!r}, {TOKENS} tokens per choice at most, "
+        "temperature 1 with a seed (choice i's: the seed + i, both arms), streamed; "
+        f"{len(rows) // 2} rounds, the arms alternating which goes first. *last end*: from "
+        "sending to the last choice's end (the stream's [DONE]); *CPU/token*: the gateway "
+        "process's CPU time (llama.cpp's thread included) per generated token.",
         "",
         "| arm | last end, s | tokens | CPU ms/token |",
         "|---|---|---|---|",
