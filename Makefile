@@ -83,6 +83,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.failover
 	$(BIN)/python -m bench.failover --replicas llamacpp
 	$(BIN)/python -m bench.takeover
+	$(BIN)/python -m bench.observability --rev 819b085
 	$(BIN)/python -m bench.choices
 
 # examples/notebook.ipynb in JupyterLab, on the project's own environment (its kernel is

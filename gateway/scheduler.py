@@ -40,6 +40,7 @@ from gateway.engines.base import (
     EngineError,
     Finished,
     GenerationRequest,
+    Moved,
     Output,
     PromptLogprobs,
     PromptTokens,
@@ -113,7 +114,10 @@ class Job:
     cancel_reason: CancelReason | None = None
     submitted_at: float = 0.0
     started_at: float = 0.0
+    first_token_at: float = 0.0
     last_token_at: float = 0.0  # also the watchdog's "last progress"
+    ended_at: float = 0.0
+    moves: tuple[float, ...] = ()  # when it moved to another replica mid-stream
 
     @property
     def request_id(self) -> str:
@@ -297,7 +301,6 @@ class Scheduler:
         job.started_at = job.last_token_at = time.perf_counter()
         if job.request.sampling.logprobs is not None and job.logprobs is None:
             job.logprobs = []
-        self.metrics.queue_wait.observe(job.started_at - job.submitted_at)
         self._running[job.request_id] = job
         self._running_by_session[job.session_key] += 1
         self.tenants.running[job.tenant] += 1
@@ -394,7 +397,7 @@ class Scheduler:
         if job.parts:
             self.metrics.inter_token.observe(now - job.last_token_at)
         else:
-            self.metrics.ttft.observe(now - job.submitted_at)
+            job.first_token_at = now
         job.last_token_at = now
         try:
             if token_ids:
@@ -419,7 +422,7 @@ class Scheduler:
         if job.parts:
             self.metrics.inter_token.observe(now - job.last_token_at)
         else:
-            self.metrics.ttft.observe(now - job.submitted_at)
+            job.first_token_at = now
         job.last_token_at = now
         try:
             job.sink.on_logprobs_delta(job, text, logprobs, token_ids)
@@ -456,6 +459,9 @@ class Scheduler:
         elif isinstance(output, PromptLogprobs):
             job.last_token_at = now
             job.sink.on_prompt_logprobs(job, output)
+        elif isinstance(output, Moved):
+            job.moves += (now,)
+            self.metrics.upstream_moves.inc()
         elif isinstance(output, Finished):
             if output.reason == "cancelled":  # the engine stopped it on its own
                 error = EngineError("engine_error", "the engine stopped the generation")
@@ -524,7 +530,7 @@ class Scheduler:
 
     def _finish(self, job: Job, outcome: Outcome) -> None:
         job.state = "done"
-        now = time.perf_counter()
+        job.ended_at = now = time.perf_counter()
         m = self.metrics
         m.finished.labels(status=outcome.status).inc()
         m.output_tokens.inc(outcome.usage.output_tokens)

@@ -47,8 +47,9 @@ from gateway.engines.base import (
     Usage,
 )
 from gateway.metrics import Metrics
+from gateway.observability import Observability, Record, TraceContext
 from gateway.scheduler import CancelReason, Job, Outcome, Scheduler
-from sessions import codec, errors
+from sessions import codec, errors, observed
 from sessions.conversation import Conversation, Item
 from sessions.outbox import Outbox, Wire
 
@@ -106,6 +107,8 @@ class ResponseSpec:
     # The client's field that asked for log probabilities (sampling.logprobs): the param of
     # the 400 an engine that cannot report them answers with.
     logprobs_param: str = "logprobs"
+    model: str = ""  # the model the client named ("": the session's)
+    operation: str = "chat"  # what it is, as the GenAI conventions' gen_ai.operation.name
 
 
 @dataclass(eq=False, slots=True)
@@ -146,6 +149,9 @@ class ResponseState:
     prefix: str = ""  # text sent before a takeover (a continued answer's first part)
     prefix_token_ids: tuple[int, ...] = ()  # its tokens, where the engine gave them
     prefix_logprobs: tuple[TokenLogprob, ...] = ()  # their log probabilities, if asked
+    record: Record | None = None  # its access log line and span (gateway/observability/)
+    # A takeover's: the trace parent and the span of the answer it continues.
+    continues: tuple[TraceContext | None, TraceContext | None] | None = None
 
     @property
     def in_conversation(self) -> bool:
@@ -313,6 +319,8 @@ class Session:
         resume_token: str | None = None,
         greet: bool = True,
         tenant: str = "",
+        observability: Observability | None = None,
+        origin: Record | None = None,
     ) -> None:
         self.id = session_id or codec.new_id("sess")
         # Whose session this is (the key's tenant; "" with no keys): what it stores and
@@ -325,6 +333,11 @@ class Session:
         self.config = config or SessionConfig()
         self.limits = limits or SessionLimits()
         self.metrics = metrics
+        # Where each answer's access log line and span go (sessions/observed.py), and the
+        # request or connection its answers come from (the one it is on now).
+        self.observability = observability
+        self.origin = origin
+        self._ending_response = False  # response_ended runs: its error is no refusal
         self.conversation = Conversation()
         self._inbox = Inbox[_Inbound]()
         self._unhandled = 0
@@ -393,13 +406,21 @@ class Session:
         return None
 
     def resume(
-        self, token: str, last_sequence_number: int, wire: Wire, *, rotate: bool = True
+        self,
+        token: str,
+        last_sequence_number: int,
+        wire: Wire,
+        *,
+        rotate: bool = True,
+        origin: Record | None = None,
     ) -> str | None:
         """Send to ``wire`` from now on: the dialect's resumed event (if any), then every
         event numbered above ``last_sequence_number``, then live events. None on success,
         else the error code: ``session_not_found`` (ended, or a wrong token: a guess
         learns nothing) or ``resume_gap`` (some of those events are no longer kept).
-        ``rotate``: give the session a fresh token (the resumed event carries it)."""
+        ``rotate``: give the session a fresh token (the resumed event carries it).
+        ``origin``: the connection (or request) the client resumes on: its answers in
+        flight say they were resumed, and the next ones come from it."""
         code = self.can_resume(token, last_sequence_number)
         replay = self.outbox.replay_after(last_sequence_number)
         if code is not None or replay is None:
@@ -414,6 +435,12 @@ class Session:
         self.outbox.attach(wire, replay if resumed is None else [resumed, *replay])
         if self.metrics is not None:
             self.metrics.replayed_events.inc(len(replay))
+        if origin is not None:
+            self.origin = origin
+            for r in self._responses.values():
+                if r.record is not None:
+                    r.record.resumes += 1
+                    r.record.note("resume")
         return None
 
     def _token_matches(self, token: str) -> bool:
@@ -537,9 +564,21 @@ class Session:
 
     def error(self, err: errors.ProtocolError) -> None:
         """Count ``err`` and let the dialect report it."""
+        self.note_refusal(err)
+        self.dialect.error(err)
+
+    def note_refusal(self, err: errors.ProtocolError) -> None:
+        """Count ``err``, and write it to the access log (an answer's failure, reported as
+        it ends, is that answer's line instead)."""
         if self.metrics is not None:
             self.metrics.errors.labels(code=err.code).inc()
-        self.dialect.error(err)
+        obs = self.observability
+        if obs is None or self._ending_response:
+            return
+        record = obs.refusal(self.origin, err.code, err.param, err.event_id)
+        if record is not None:
+            record.session_id, record.tenant = self.id, self.tenant
+            obs.release(record)
 
     def _begin_close(self, close: _Close) -> None:
         if self._closing is not None:
@@ -576,6 +615,7 @@ class Session:
         job's first step can reach the session."""
         self.check_rate_limits()
         response_id = response_id or codec.new_id("resp")
+        record = self._observe(spec, response_id)
         request = GenerationRequest(
             request_id=response_id,
             messages=spec.messages,
@@ -585,15 +625,21 @@ class Session:
             tool_choice=spec.tool_choice,
             prompt=spec.prompt,
             suffix=spec.suffix,
+            trace_context=self._trace_context(record),
         )
         try:
             self.scheduler.engine.check(request)
         except InvalidRequestError as exc:
             param = spec.logprobs_param if isinstance(exc, LogprobsUnsupportedError) else None
+            if record is not None and self.observability is not None:
+                self.observability.not_admitted(record, exc.code, param)
             raise errors.ProtocolError(exc.code, exc.message, param=param) from None
         job = Job(request, session_key=self.id, sink=self, tenant=self.tenant)
         response = ResponseState(response_id, self.free_item_id(), job, spec, response_id)
+        response.record = record
         if not self.scheduler.submit(job):
+            if record is not None and self.observability is not None:
+                self.observability.not_admitted(record, "overloaded")
             return None
         # The job may already be "running", but the engine's output reaches the session
         # only through the scheduler's fan-out task, after this handler returns: these
@@ -605,6 +651,31 @@ class Session:
             # an answer cut before its first token leaves an (incomplete) item.
             self._open_text(response)
         return response
+
+    def _observe(
+        self,
+        spec: ResponseSpec,
+        response_id: str,
+        continues: tuple[TraceContext | None, TraceContext | None] | None = None,
+    ) -> Record | None:
+        if self.observability is None:
+            return None
+        return observed.answer_started(
+            self.observability,
+            self.origin,
+            session_id=self.id,
+            tenant=self.tenant,
+            response_id=response_id,
+            model=spec.model or self.config.model,
+            operation=spec.operation,
+            sampling=spec.sampling,
+            continues=continues,
+        )
+
+    def _trace_context(self, record: Record | None) -> tuple[tuple[str, str], ...]:
+        if self.observability is None:
+            return ()
+        return self.observability.trace_fields(record)
 
     def check_rate_limits(self, answers: int = 1) -> None:
         """Raise ``rate_limit_exceeded`` if the session's tenant may not start ``answers``
@@ -632,10 +703,14 @@ class Session:
         where it cannot, the response fails with ``gateway_restarted``."""
         engine = self.scheduler.engine
         self._responses[r.job] = r
+        r.record = self._observe(r.spec, r.id, r.continues or (None, None))
         self.dialect.response_continued(r)
         if engine.can_continue and not r.calls and r.text_index == 0:
             r.job.request = replace(
-                r.job.request, continuation=r.prefix, continuation_token_ids=r.prefix_token_ids
+                r.job.request,
+                continuation=r.prefix,
+                continuation_token_ids=r.prefix_token_ids,
+                trace_context=self._trace_context(r.record),
             )
             if self.scheduler.submit(r.job):
                 return
@@ -707,7 +782,14 @@ class Session:
                 self.conversation.finish(r.item_id, outcome.text, status)
             for call in r.calls.values():
                 self.conversation.finish(call.item_id, call.arguments, status)
-        self.dialect.response_ended(r, outcome)
+        self._ending_response = True
+        try:
+            self.dialect.response_ended(r, outcome)
+        finally:
+            self._ending_response = False
+        if r.record is not None and self.observability is not None:
+            calls = bool(r.calls)
+            observed.answer_ended(self.observability, r.record, r.job, outcome, calls=calls)
 
 
 def item_status(outcome: Outcome) -> str:

@@ -28,6 +28,7 @@ from gateway.engines.base import (
     ToolCall,
 )
 from gateway.metrics import Metrics
+from gateway.observability import Observability, Record, TraceContext, trace_context
 from gateway.scheduler import Job, Scheduler
 from sessions.codec import text_logprobs_from
 from sessions.conversation import Item
@@ -133,6 +134,31 @@ def _spec_from(data: JSON, dialect: Dialect) -> ResponseSpec:
     )
 
 
+def _trace_json(record: Record | None) -> JSON | None:
+    """Where an answer's trace goes on after a takeover: its parent (the client's context)
+    and its own span, which the continued answer's span links to."""
+    if record is None or (record.parent is None and record.own is None):
+        return None
+    return {
+        "parent": _context_json(record.parent),
+        "span": _context_json(record.own),
+    }
+
+
+def _context_json(context: TraceContext | None) -> list[str] | None:
+    return None if context is None else [context.traceparent, context.tracestate]
+
+
+def _trace_from(data: JSON | None) -> tuple[TraceContext | None, TraceContext | None] | None:
+    if not data:
+        return None
+
+    def context(value: list[str] | None) -> TraceContext | None:
+        return None if value is None else trace_context.parse(value[0], [value[1]])
+
+    return context(data.get("parent")), context(data.get("span"))
+
+
 # -- a whole session ---------------------------------------------------------------
 
 
@@ -149,6 +175,7 @@ def dump(session: Session, dialect_name: str) -> bytes:
             "delta_key": r.delta_key,
             "calls": len(r.calls),
             "spec": _spec_json(r.spec, session.dialect),
+            "trace": _trace_json(r.record),
         }
         for r in session.responses
         if not r.cancelling
@@ -178,6 +205,7 @@ def restore(
     token: str,
     limits: SessionLimits | None = None,
     metrics: Metrics | None = None,
+    observability: Observability | None = None,
 ) -> tuple[Session, list[ResponseState]]:
     """The session ``data`` describes, on this process, and its answers in flight (not
     yet started: see :func:`continue_responses`). ``token``: the one its client showed."""
@@ -192,6 +220,7 @@ def restore(
         resume_token=token,
         greet=False,
         tenant=data.get("tenant", ""),
+        observability=observability,
     )
     session.conversation_id = data["conversation_id"]
     for item in data["items"]:
@@ -216,6 +245,7 @@ def restore(
         if saved["calls"]:
             # Calls cannot be continued half-way: it ends (see continue_response).
             r.calls[0] = CallState("", "", "", -1, None)
+        r.continues = _trace_from(saved.get("trace"))
         in_flight.append(r)
     dialect.load(data["dialect_state"])
     return session, in_flight

@@ -94,7 +94,9 @@ class ChatCompletionsHttp:
         body, framing, waiter = command.body, chat_framing(), Waiter()
         stream = chunk_messages(body.include_usage, body.n) if body.stream else None
         dialect = ChatDialect(framing, waiter), framing
-        await one_request.answer(self._table, reply, tenant, command, dialect, waiter, stream)
+        await one_request.answer(
+            self._table, request, reply, tenant, command, dialect, waiter, stream
+        )
 
     def _refused(self, request: HttpRequest, reply: HttpReply, *, engine: bool = True) -> bool:
         return one_request.refused(self._admission, self._state, request, reply, engine=engine)

@@ -58,4 +58,6 @@ class CompletionsHttp:
         choices = len(body.prompts) * body.n
         stream = chunk_messages(body.include_usage, choices) if body.stream else None
         dialect = CompletionsDialect(framing, waiter), framing
-        await one_request.answer(self._table, reply, tenant, command, dialect, waiter, stream)
+        await one_request.answer(
+            self._table, request, reply, tenant, command, dialect, waiter, stream
+        )

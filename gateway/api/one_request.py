@@ -33,6 +33,7 @@ SSE_HEADERS = (
 
 async def answer(
     table: SessionTable,
+    request: HttpRequest,
     reply: HttpReply,
     tenant: str,
     command: object,
@@ -42,7 +43,7 @@ async def answer(
 ) -> None:
     """Answer ``command`` in a new session of ``dialect`` (whose observer is ``waiter``):
     as a stream whose messages ``stream`` frames, or (None) as one JSON object."""
-    session = table.open(*dialect, replay_bytes=0, kept=False, tenant=tenant)
+    session = table.open(*dialect, replay_bytes=0, kept=False, tenant=tenant, origin=request.record)
     try:
         await session.deliver(command)
         try:

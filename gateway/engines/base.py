@@ -141,6 +141,10 @@ class GenerationRequest:
     # Text the answer must lead into (fill in the middle, after ``prompt``); only engines
     # whose ``can_fill_in_middle`` is true are given one.
     suffix: str | None = None
+    # W3C Trace Context fields (traceparent, tracestate) naming the gateway's span for this
+    # answer (or the client's, when the gateway exports no traces): an engine that sends
+    # the generation to a server passes them on, so that its trace joins the client's.
+    trace_context: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +229,14 @@ class PromptTokens:
     cached_tokens: int = 0
 
 
-StreamEvent = TextDelta | ToolCallDelta | PromptTokens | PromptLogprobs | Finished
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """The answer moved to another replica mid-stream (an engine with replicas): it goes
+    on there from its text so far. The scheduler counts it; the answer's log line and
+    span say so."""
+
+
+StreamEvent = TextDelta | ToolCallDelta | PromptTokens | PromptLogprobs | Moved | Finished
 """What :meth:`StreamingEngine.stream` yields."""
 
 
@@ -245,7 +256,7 @@ class EngineError(Exception):
 
 
 Output: TypeAlias = (
-    str | TextDelta | ToolCallDelta | PromptTokens | PromptLogprobs | Finished | EngineError
+    str | TextDelta | ToolCallDelta | PromptTokens | PromptLogprobs | Moved | Finished | EngineError
 )
 """What an engine reports for one request. A plain ``str`` is one token of text (the
 common case, kept cheap); every request ends with one ``Finished`` or ``EngineError``."""
@@ -328,9 +339,6 @@ class Engine(abc.ABC):
     def ready(self) -> bool:
         """True once :meth:`start` has finished loading; ``/readyz`` reports it."""
         return self._ready
-
-    on_moved: Callable[[], None] | None = None
-    """Called when an answer moves to another replica mid-stream (engines with replicas)."""
 
     _failure: str | None = None
     on_failure: Callable[[str], None] | None = None

@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 from urllib.parse import urlsplit
 
 from gateway.engines.base import (
@@ -241,6 +241,8 @@ def _native_stderr() -> Iterator[_Captured]:
         try:
             yield captured
         finally:
+            if captured.failed:
+                _await_last_native_line(sink)
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
@@ -253,6 +255,25 @@ def _native_stderr() -> Iterator[_Captured]:
             rest = b"".join(lines)
             while rest:
                 rest = rest[os.write(2, rest) :]
+
+
+# llama.cpp's logger writes from a thread of its own, after the call that logged has
+# returned: a failed load's last lines can reach file descriptor 2 after the Python
+# exception. This is the line its server logs last when a load fails.
+_LAST_FAILURE_LINE = b"exiting due to model loading error"
+_NATIVE_LOG_DRAIN_S = 1.0
+
+
+def _await_last_native_line(sink: IO[bytes]) -> None:
+    """Wait (bounded) until llama.cpp's logger thread has written the failed load's last
+    line into ``sink``, so that none of its lines reaches the real stderr after ours."""
+    # pread, not seek and read: descriptor 2 shares the file's offset with ``sink``, so
+    # moving it would make the logger's next line overwrite the first ones.
+    fd, deadline = sink.fileno(), time.monotonic() + _NATIVE_LOG_DRAIN_S
+    while time.monotonic() < deadline:
+        if _LAST_FAILURE_LINE in os.pread(fd, os.fstat(fd).st_size, 0):
+            return
+        time.sleep(0.005)  # a thread we cannot join: poll the file it writes
 
 
 def _load_failure(model_path: Path, native_log: str) -> str:

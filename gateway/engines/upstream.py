@@ -56,6 +56,7 @@ from gateway.engines.base import (
     InvalidRequestError,
     LogprobsUnsupportedError,
     Message,
+    Moved,
     StreamEvent,
     StreamingEngine,
     TextDelta,
@@ -422,8 +423,7 @@ class UpstreamEngine(StreamingEngine):
                         ) from exc
                     moves += 1
                     self.moves += 1
-                    if self.on_moved is not None:
-                        self.on_moved()
+                    yield Moved()
                     log.warning(
                         "upstream %s failed mid-answer (%s): continuing on another replica",
                         replica.url,
@@ -505,6 +505,7 @@ class UpstreamEngine(StreamingEngine):
                 "engine_not_ready", "the upstream engine is not running (not started, or closing)"
             )
         headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        headers.update(request.trace_context)  # the gateway's span is the parent upstream
         if self.affinity_header is not None and request.affinity_key is not None:
             headers[self.affinity_header] = affinity_id(request.affinity_key)
         post = client.build_request(

@@ -121,6 +121,7 @@ class ChatDialect(OneRequest):
             in_conversation=False,
             affinity_key=core.affinity(body.affinity_key),
             metadata=body.metadata,
+            model=body.model or "",
         )
         self._choices = Choices(core, self.framing)
         self._choices.start([spec] * body.n, self._head["id"])

@@ -137,6 +137,8 @@ class CompletionsDialect(OneRequest):
                 prompt=prompt,
                 suffix=body.suffix,
                 logprobs_param=self._logprobs_param(prompt),
+                model=body.model or "",
+                operation="text_completion",  # the GenAI conventions' name for a raw prompt
             )
             for _ in range(body.generated):
                 if body.echo and isinstance(prompt, str):

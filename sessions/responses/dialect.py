@@ -325,8 +325,7 @@ class ResponsesDialect:
         self._ready.extendleft(reversed(skipped))
 
     def _lane_error(self, err: errors.ProtocolError, lane: Lane) -> None:
-        if self.core.metrics is not None:
-            self.core.metrics.errors.labels(code=err.code).inc()
+        self.core.note_refusal(err)
         self.error(err, lane.stream_id)
 
     def _history(self, lane: Lane, body: rp.CreateBody) -> StoredResponse | None:
@@ -396,6 +395,7 @@ class ResponsesDialect:
             metadata=body.metadata,
             tag=turn,
             logprobs_param="include",
+            model=body.model or "",
         )
         response = core.start_response(spec)
         if response is None:
