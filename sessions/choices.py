@@ -141,21 +141,27 @@ class Choices:
     def index(self, r: ResponseState) -> int:
         return self._index[r.id]
 
-    def start(self, specs: list[ResponseSpec], request_id: str) -> None:
-        """Start one response per spec (choice ``i`` is ``specs[i]``, its seed made its
-        own), all or none: raises ``overloaded`` or ``rate_limit_exceeded`` otherwise.
-        The dialect's ``response_started`` runs for each before this returns."""
+    def start(self, specs: Sequence[ResponseSpec], each: int, request_id: str) -> None:
+        """Start ``each`` responses per spec, all or none: choice ``i`` is
+        ``specs[i // each]``, its seed made its own. Raises ``overloaded`` or
+        ``rate_limit_exceeded`` otherwise. Choice 0's response id is ``request_id`` (what
+        the client sees, and the access log says), the others' ``request_id-i``. The
+        dialect's ``response_started`` runs for each before this returns."""
         core = self._core
-        if core.scheduler.room < len(specs):
+        count = len(specs) * each
+        if core.scheduler.room < count:
             raise overloaded()
-        core.check_rate_limits(len(specs))
-        self.count = len(specs)
-        ids = [request_id if len(specs) == 1 else f"{request_id}-{i}" for i in range(len(specs))]
+        core.check_rate_limits(count)
+        self.count = count
+        ids = [request_id, *(f"{request_id}-{i}" for i in range(1, count))]
         self._index = {response_id: i for i, response_id in enumerate(ids)}
-        for i, (spec, response_id) in enumerate(zip(specs, ids, strict=True)):
+        for i, response_id in enumerate(ids):
+            spec = specs[i // each]
             seeded = replace(spec.sampling, seed=choice_seed(spec.sampling.seed, i))
+            # A prompt's tokens count once in the request's usage, as OpenAI counts them.
+            choice = replace(spec, sampling=seeded, counts_prompt=i % each == 0)
             self._framing.add(response_id, i)
-            if core.start_response(replace(spec, sampling=seeded), response_id=response_id):
+            if core.start_response(choice, response_id=response_id):
                 continue
             # The room was checked: only a scheduler that began to close gets here.
             self.fail()
@@ -181,20 +187,15 @@ class Choices:
         for response in self._core.responses:
             self._core.cancel_response(response, "disconnected")
 
-    def usage(self, prompt_of: dict[int, int] | None = None) -> Usage:
-        """The request's usage: every choice's output tokens; each prompt's tokens once
-        (as OpenAI counts a prompt with ``n``), from the first choice of that prompt.
-        ``prompt_of`` maps a choice to its prompt's number (all choices share prompt 0
-        without it)."""
-        prompt_of = prompt_of or {}
-        first: dict[int, Usage] = {}
-        output = 0
-        for index in sorted(self.ended):
-            usage = self.ended[index].outcome.usage
-            first.setdefault(prompt_of.get(index, 0), usage)
+    def usage(self) -> Usage:
+        """The request's usage: every choice's output tokens, and each prompt's tokens once
+        (from the choices that count them: ``ResponseSpec.counts_prompt``)."""
+        inputs = output = cached = 0
+        for ended in self.ended.values():
+            usage = ended.outcome.usage
             output += usage.output_tokens
-        inputs = sum(u.input_tokens for u in first.values())
-        cached = sum(u.cached_tokens for u in first.values())
+            if ended.response.spec.counts_prompt:
+                inputs, cached = inputs + usage.input_tokens, cached + usage.cached_tokens
         return Usage(inputs, output, cached)
 
 

@@ -111,6 +111,9 @@ class ResponseSpec:
     # the 400 an engine that cannot report them answers with.
     logprobs_param: str = "logprobs"
     model: str = ""  # the model the client named ("": the session's)
+    # Whether its prompt's tokens count in its request's usage (and access log line): not
+    # for a prompt's second and later choices (n, best_of), as OpenAI counts a prompt once.
+    counts_prompt: bool = True
     operation: str = "chat"  # what it is, as the GenAI conventions' gen_ai.operation.name
 
     def request(
@@ -802,8 +805,14 @@ class Session:
         finally:
             self._ending_response = False
         if r.record is not None and self.observability is not None:
-            calls = bool(r.calls)
-            observed.answer_ended(self.observability, r.record, r.job, outcome, calls=calls)
+            observed.answer_ended(
+                self.observability,
+                r.record,
+                r.job,
+                outcome,
+                calls=bool(r.calls),
+                counts_prompt=r.spec.counts_prompt,
+            )
 
 
 def item_status(outcome: Outcome) -> str:

@@ -120,6 +120,34 @@ async def test_http_routes_each_leave_one_line_with_their_figures(
     assert (x["status"], x["error_code"], x.get("tenant")) == (401, "invalid_api_key", None)
 
 
+async def test_the_choices_of_one_request_are_one_line_with_the_requests_usage(
+    gw: RunningGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``n`` choices (and a Completions request's prompts) are answers of one request: its
+    one line, named by the id the client got, with the usage the client got."""
+    messages = [{"role": "user", "content": "hi"}]
+    async with client() as http:
+        chat = await http.post(
+            f"{gw.http_url}/v1/chat/completions", json={"messages": messages, "n": 3}
+        )
+        body = {"prompt": ["one two", "three"], "n": 2, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        completions = await http.post(f"{gw.http_url}/v1/completions", json=body)
+    chunks = [orjson.loads(x[6:]) for x in completions.text.splitlines() if x[:7] == "data: {"]
+    seen = [  # (answer, the id and usage its client got, its choices of 8 tokens each)
+        (chat, chat.json()["id"], chat.json()["usage"], 3),
+        (completions, chunks[0]["id"], chunks[-1]["usage"], 4),
+    ]
+    for answer, answer_id, usage, choices in seen:
+        x = await line(caplog, lambda x, a=answer: x.get("request_id") == a.headers["x-request-id"])
+        assert x["kind"] == "http" and x["response_id"] == answer_id
+        assert x["response_status"] == "completed"
+        assert x["input_tokens"] == usage["prompt_tokens"]
+        assert x["output_tokens"] == usage["completion_tokens"] == choices * 8
+        check_answer_timings(x)
+    assert not [x for x in lines(caplog) if x["kind"] == "answer"]  # no line of their own
+
+
 async def test_every_other_route_leaves_its_line(
     gw: RunningGateway, caplog: pytest.LogCaptureFixture
 ) -> None:

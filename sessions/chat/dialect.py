@@ -126,7 +126,7 @@ class ChatDialect(OneRequest):
             model=body.model or "",
         )
         self._choices = Choices(core, self.framing)
-        self._choices.start([spec] * body.n, self._head["id"])
+        self._choices.start([spec], body.n, self._head["id"])
 
     def _put(
         self,

@@ -67,7 +67,6 @@ class CompletionsDialect(OneRequest):
         self._choices: Choices | None = None
         self._body: kc.CompletionBody | None = None
         self._head: codec.JSON = {}
-        self._prompt_of: dict[int, int] = {}  # candidate -> its prompt's number
         self._echo: dict[int, str] = {}  # candidate -> the prompt text its text starts with
         self._echo_logprobs: dict[int, codec.JSON] = {}  # ...and its legacy log probabilities
         self._started = False
@@ -140,13 +139,12 @@ class CompletionsDialect(OneRequest):
                 model=body.model or "",
                 operation="text_completion",  # the GenAI conventions' name for a raw prompt
             )
-            for _ in range(body.generated):
-                if body.echo and isinstance(prompt, str):
-                    self._echo[len(specs)] = prompt
-                self._prompt_of[len(specs)] = number
-                specs.append(spec)
+            if body.echo and isinstance(prompt, str):
+                for candidate in range(number * body.generated, (number + 1) * body.generated):
+                    self._echo[candidate] = prompt
+            specs.append(spec)
         self._choices = Choices(core, self.framing)
-        self._choices.start(specs, self._head["id"])
+        self._choices.start(specs, body.generated, self._head["id"])
 
     def _prompt_logprobs(self, prompt: Any) -> int | None:
         """What a prompt asks of the engine about its own tokens: an echo with
@@ -269,7 +267,7 @@ class CompletionsDialect(OneRequest):
         best ``n`` of each prompt's candidates, with ``best_of``)."""
         body = self._body
         assert body is not None
-        usage = kc.usage_json(self.choices.usage(self._prompt_of))
+        usage = kc.usage_json(self.choices.usage())
         if body.stream and body.include_usage:
             self.core.outbox.put({**self._head, "choices": [], "usage": usage})
         choices = [
@@ -284,7 +282,8 @@ class CompletionsDialect(OneRequest):
         assert body is not None
         kept: list[Ended] = []
         for number in range(len(body.prompts)):
-            candidates = [e for i, e in sorted(ended.items()) if self._prompt_of[i] == number]
+            first = number * body.generated  # a prompt's candidates are consecutive
+            candidates = [ended[i] for i in range(first, first + body.generated)]
             if len(candidates) > body.n:
                 candidates.sort(key=lambda e: -kc.mean_logprob(e.outcome.logprobs))
             kept += candidates[: body.n]
