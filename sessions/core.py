@@ -717,12 +717,13 @@ class Session:
     def continue_response(self, r: ResponseState) -> None:
         """Go on with ``r``, a response a stopped gateway was streaming (a takeover): its
         items are open and ``r.prefix`` was sent; the engine continues from there, or,
-        where it cannot, the response fails with ``gateway_restarted``."""
+        where it cannot (Engine.continues: not every engine can, and none under a
+        constraint), the response fails with ``gateway_restarted``."""
         engine = self.scheduler.engine
         self._responses[r.job] = r
         r.record = self._observe(r.spec, r.id, r.continues or (None, None))
         self.dialect.response_continued(r)
-        if engine.can_continue and not r.calls and r.text_index == 0:
+        if not r.calls and r.text_index == 0 and engine.continues(r.job.request):
             r.job.request = replace(
                 r.job.request,
                 continuation=r.prefix,
@@ -733,7 +734,8 @@ class Session:
                 return
         reason = (
             "the gateway that was generating this answer stopped, and this engine cannot "
-            "continue an answer: ask again"
+            "continue it (it cannot continue an answer, or this one was under a constraint): "
+            "ask again"
         )
         error = EngineError("gateway_restarted", reason)
         self._inbox.put_nowait(_JobDone(r.job, Outcome("failed", "", Usage(0, 0), error)))

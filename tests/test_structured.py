@@ -11,6 +11,7 @@ a deterministic valid instance (gateway/engines/instances.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -20,11 +21,15 @@ import openai
 import orjson
 import pytest
 from pydantic import BaseModel
+from websockets.exceptions import ConnectionClosed
 
 from gateway.engines import grammars
 from gateway.engines.base import Constraint
 from gateway.engines.sim import SimEngine
+from tests.support.gateway_processes import gateways
 from tests.support.harness import RawClient, RunningGateway, running_gateway
+from tests.support.redis_server import RedisServer, redis_server_fixture  # noqa: F401
+from tests.support.responses_harness import ResponsesClient, validate
 from tests.support.scripted_engine import ScriptedEngine
 
 KEY = "key-structured"
@@ -283,3 +288,40 @@ def test_the_schemas_are_what_the_clients_send() -> None:
 
     assert strict_schema.violation(MATH_SCHEMA) is None
     assert orjson.loads(orjson.dumps(MATH_SCHEMA))["additionalProperties"] is False
+
+
+async def test_a_takeover_ends_an_answer_under_a_schema_rather_than_splice_it(
+    redis_server: RedisServer,
+) -> None:
+    """The gateway streaming a structured answer drains mid-answer: the one that takes the
+    session over cannot continue it (an engine's grammar would start again after the text
+    so far), so the answer fails (``gateway_restarted``), keeping what the client has,
+    never completed with JSON that does not parse."""
+    # Slow steps: the answer (some 20 pieces) is still streaming when the drain gives up.
+    async with gateways(redis_server.url, 2, "--drain-timeout", "0.2", step_ms=100) as (a, b):
+        async with ResponsesClient.connect(a.url("/v1/responses")) as c:
+            fmt = {"type": "json_schema", "name": "math", "schema": MATH_SCHEMA, "strict": True}
+            await c.create(input="The weather, gateway", text={"format": fmt})
+            seen = [await c.recv() for _ in range(6)]
+            a.terminate()
+            with contextlib.suppress(ConnectionClosed):
+                while True:
+                    seen.append(await c.recv())
+            session, token = c.session_id, c.resume_token
+        assert await a.stop() == 0
+        assert seen[-1]["type"] != "response.completed", "it ended before the drain: too short"
+        headers = {
+            "x-session-id": session,
+            "x-resume-token": token,
+            "x-last-sequence-number": str(seen[-1]["sequence_number"]),
+        }
+        async with ResponsesClient.connect(b.url("/v1/responses"), additional_headers=headers) as r:
+            rest = await r.collect()
+    for event in seen + rest.events:
+        validate(event)
+    sent = "".join(e["delta"] for e in seen if e["type"] == "response.output_text.delta")
+    assert sent and not [e for e in rest.events if e["type"] == "response.output_text.delta"]
+    response = rest.response
+    assert response["status"] == "failed" and response["error"]["code"] == "server_error"
+    assert "under a constraint" in response["error"]["message"]  # gateway_restarted's
+    assert response["output"][0]["content"][0]["text"] == sent  # kept, not continued

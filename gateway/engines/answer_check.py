@@ -32,10 +32,6 @@ from gateway.engines.base import (
 CODE = "upstream_unconstrained"
 
 
-def needed(request: GenerationRequest) -> bool:
-    return request.constraint is not None or request.enforces_tools
-
-
 async def checked(
     request: GenerationRequest, events: AsyncIterator[StreamEvent]
 ) -> AsyncIterator[StreamEvent]:
