@@ -24,8 +24,6 @@ import asyncio
 import logging
 from typing import Any
 
-import orjson
-
 from gateway.api.admission import Admission, Entry
 from gateway.api.background_responses import UNREAD, BackgroundResponses, Live
 from gateway.api.status import ServerState
@@ -137,14 +135,7 @@ class ResponsesHttp:
                 session.close("disconnected")  # a no-op once it has ended
 
     async def _read_body(self, request: HttpRequest, tenant: str) -> rp.CreateBody:
-        try:
-            obj = orjson.loads(request.body)
-        except orjson.JSONDecodeError as exc:
-            raise errors.ProtocolError(
-                "invalid_json", f"The body is not valid JSON: {exc}."
-            ) from None
-        if not isinstance(obj, dict):
-            raise errors.ProtocolError("invalid_value", "The body must be a JSON object.")
+        obj = codec.json_body(request.body)
         if "stream_id" in obj:
             raise errors.ProtocolError(
                 "unknown_parameter",

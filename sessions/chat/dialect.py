@@ -207,7 +207,7 @@ class ChatDialect(OneRequest):
         """Every choice has ended: the usage chunk, and the ``chat.completion``."""
         body = self._body
         assert body is not None
-        usage = cc.usage_json(self.choices.usage())
+        usage = codec.completion_usage_json(self.choices.usage())
         if body.stream and body.include_usage:
             self.core.outbox.put({**self._head, "choices": [], "usage": usage})
         choices = [

@@ -267,7 +267,7 @@ class CompletionsDialect(OneRequest):
         best ``n`` of each prompt's candidates, with ``best_of``)."""
         body = self._body
         assert body is not None
-        usage = kc.usage_json(self.choices.usage())
+        usage = codec.completion_usage_json(self.choices.usage())
         if body.stream and body.include_usage:
             self.core.outbox.put({**self._head, "choices": [], "usage": usage})
         choices = [

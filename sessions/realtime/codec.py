@@ -188,12 +188,7 @@ def _sampling(r: Reader) -> dict[str, Any]:
         out["tools"] = read_tools(r)
     if r.has("tool_choice"):
         out["tool_choice"] = read_tool_choice(r)
-    if r.has("parallel_tool_calls") and not isinstance(r.obj["parallel_tool_calls"], bool | None):
-        raise r.fail(
-            "parallel_tool_calls",
-            f"'{r.param('parallel_tool_calls')}' must be a boolean.",
-            "invalid_type",
-        )
+    r.optional_boolean("parallel_tool_calls")
     return out
 
 

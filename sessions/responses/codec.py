@@ -185,10 +185,8 @@ def read_create(obj: Mapping[str, Any], allowed_extra: frozenset[str] = frozense
     if r.has("tool_choice"):
         fields["tool_choice"] = rtools.read_tool_choice(r, toolset)
     for key in ("parallel_tool_calls", "store", "generate", "stream", "background"):
-        if r.has(key) and obj[key] is not None:
-            if not isinstance(obj[key], bool):
-                raise r.fail(key, f"'{key}' must be a boolean.", "invalid_type")
-            fields[key] = obj[key]
+        if obj.get(key) is not None:
+            fields[key] = r.boolean(key)
     if r.has("max_output_tokens"):
         value = r.integer("max_output_tokens", 1, 1_000_000)
         fields["max_output_tokens"] = value
