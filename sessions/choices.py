@@ -7,8 +7,9 @@ own seed (the request's plus its index: a seeded request is reproducible choice 
 choice), its own deltas, which reach the client interleaved, each chunk naming its choice's
 ``index``. :class:`Choices` starts them all or none, and says when the last has ended;
 :class:`ChoiceFraming` builds a text chunk from bytes, with the choice's index, as the
-other dialects build their text deltas; :class:`OneRequest` is the rest of the ``Dialect``
-protocol for a session that answers one request and is never resumed or kept.
+other dialects build their text deltas; :class:`OneRequestDialect` is what both dialects
+do alike around them (the refusal, the error, usage and whole object at the end, and the
+``Dialect`` hooks of a session that is never resumed or kept).
 
 Who owns what: a dialect's :class:`Choices` is the actor's, changed on its turn (and on the
 scheduler's fan-out call, where no handler runs).
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import orjson
 
@@ -228,9 +229,131 @@ def failed_error(outcome: Outcome) -> ProtocolError:
     )
 
 
-class OneRequest:
-    """The ``Dialect`` hooks that a session answering one HTTP request has nothing to do in:
-    it is never resumed, taken over or kept in a store, and has no maximum age."""
+class RequestBody(Protocol):
+    """What :class:`OneRequestDialect` reads of a decoded request body."""
+
+    @property
+    def stream(self) -> bool: ...
+
+    @property
+    def include_usage(self) -> bool: ...
+
+
+BodyT = TypeVar("BodyT", bound=RequestBody)
+
+
+class OneRequestDialect(Generic[BodyT]):
+    """A dialect whose session answers one HTTP request with its :class:`Choices` (Chat
+    Completions, Completions): the request and its observer, the refusal, the stream's
+    error and usage chunks, the whole object at the end; and the ``Dialect`` hooks such a
+    session has nothing to do in: it is never resumed, taken over or kept in a store, and
+    has no maximum age.
+
+    A dialect names its ``command`` class (whose ``body`` is a ``BodyT``) and gives
+    :meth:`_start` (which fills ``_head`` and starts ``_choices``), :meth:`_choice_started`,
+    :meth:`_choice_ended` and :meth:`_whole`."""
+
+    name: str
+    command: type[Any]  # the one command: its ``body`` is the request's
+
+    def __init__(self, framing: ChoiceFraming, observer: RequestObserver | None = None) -> None:
+        self.framing = framing
+        self.observer = observer
+        self._core: Session | None = None
+        self._choices: Choices | None = None
+        self._body: BodyT | None = None
+        self._head: codec.JSON = {}  # every chunk's id, object, created and model
+        self._started = False
+
+    @property
+    def core(self) -> Session:
+        assert self._core is not None
+        return self._core
+
+    @property
+    def choices(self) -> Choices:
+        assert self._choices is not None
+        return self._choices
+
+    @property
+    def body(self) -> BodyT:
+        assert self._body is not None
+        return self._body
+
+    def attach(self, core: Session, greet: bool) -> None:
+        self._core = core
+
+    def handle(self, command: object) -> None:
+        if not isinstance(command, self.command):
+            raise ProtocolError("invalid_event", f"A {self.name} session takes one request.")
+        if self._body is not None:
+            raise ProtocolError("invalid_event", f"A {self.name} session answers one request.")
+        self._body = command.body
+        self._start(command.body)
+
+    def _start(self, body: BodyT) -> None:
+        """Start the request's choices (or raise :class:`ProtocolError`: a refusal)."""
+        raise NotImplementedError
+
+    def _choice_started(self, r: ResponseState) -> None:
+        """Choice ``r`` was admitted: what its stream opens with."""
+        raise NotImplementedError
+
+    def _choice_ended(self, r: ResponseState, outcome: Outcome) -> None:
+        """Choice ``r`` ended (not failed): its stream's last chunk."""
+        raise NotImplementedError
+
+    def _whole(self) -> codec.JSON:
+        """Every choice has ended: the whole object's ``object`` (if not the chunks') and
+        ``choices``."""
+        raise NotImplementedError
+
+    def error(self, err: ProtocolError) -> None:
+        if not self._started:
+            if self.observer is not None:
+                self.observer.refused(err)
+            return
+        self._put_error(err)
+
+    def _put_error(self, err: ProtocolError) -> None:
+        if self._body is not None and self._body.stream:
+            self.core.outbox.put(error_json(err))
+
+    # -- what the core reports ---------------------------------------------------------
+
+    def response_started(self, r: ResponseState) -> None:
+        if not self._started:
+            self._started = True
+            if self.observer is not None:
+                self.observer.started(self._head)
+        self._choice_started(r)
+
+    def response_ended(self, r: ResponseState, outcome: Outcome) -> None:
+        choices = self.choices
+        if choices.end(r, outcome) is None:
+            return
+        if outcome.status == "failed":
+            err = failed_error(outcome)
+            choices.fail()
+            self._put_error(err)
+            self._end(error_json(err))
+            return
+        self._choice_ended(r, outcome)
+        if choices.over:
+            self._complete()
+
+    def _complete(self) -> None:
+        """Every choice has ended: the usage chunk, and the whole object."""
+        usage = codec.completion_usage_json(self.choices.usage())
+        if self.body.stream and self.body.include_usage:
+            self.core.outbox.put({**self._head, "choices": [], "usage": usage})
+        self._end({**self._head, **self._whole(), "usage": usage})
+
+    def _end(self, body: codec.JSON) -> None:
+        if self.observer is not None:
+            self.observer.ended(body)
+
+    # -- what a session that answers one request has nothing to do in --------------------
 
     def response_continued(self, r: ResponseState) -> None:
         """Never: such a session is not kept in a store, so no process takes it over."""

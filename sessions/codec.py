@@ -16,7 +16,7 @@ import re
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, TypeVar
 
 import orjson
 
@@ -61,6 +61,12 @@ class _Unset(enum.Enum):
 
 Unset = Literal[_Unset.UNSET]
 UNSET: Unset = _Unset.UNSET
+T = TypeVar("T")
+
+
+def chosen(value: T | Unset, default: T) -> T:
+    """What the client sent, or ``default`` (the session's) where it sent nothing."""
+    return default if value is UNSET else value
 
 
 @dataclass(frozen=True, slots=True)
