@@ -46,19 +46,6 @@ class RequestObserver(Protocol):
         """The request was refused before it started."""
 
 
-def error_json(err: ProtocolError) -> codec.JSON:
-    """OpenAI's error object: a response's body, or a stream's last ``data:`` (which the
-    SDK raises as an ``APIError``)."""
-    return {
-        "error": {
-            "message": err.message,
-            "type": err.error_type,
-            "param": err.param,
-            "code": err.code,
-        }
-    }
-
-
 def choice_seed(seed: int | None, index: int) -> int | None:
     """Choice ``index``'s seed: the request's plus the index, so that choice 0 of a request
     with ``n`` samples as the same request with one choice would, and each other its own."""
@@ -317,7 +304,7 @@ class OneRequestDialect(Generic[BodyT]):
 
     def _put_error(self, err: ProtocolError) -> None:
         if self._body is not None and self._body.stream:
-            self.core.outbox.put(error_json(err))
+            self.core.outbox.put(codec.error_json(err))
 
     # -- what the core reports ---------------------------------------------------------
 
@@ -336,7 +323,7 @@ class OneRequestDialect(Generic[BodyT]):
             err = failed_error(outcome)
             choices.fail()
             self._put_error(err)
-            self._end(error_json(err))
+            self._end(codec.error_json(err))
             return
         self._choice_ended(r, outcome)
         if choices.over:

@@ -515,6 +515,19 @@ def check_model(name: str | None, served: tuple[str, ...], event_id: str | None 
         )
 
 
+def error_json(err: ProtocolError) -> JSON:
+    """OpenAI's error object: an HTTP error's body, or a stream's last ``data:`` (which the
+    SDK raises as an ``APIError``)."""
+    return {
+        "error": {
+            "message": err.message,
+            "type": err.error_type,
+            "param": err.param,
+            "code": err.code,
+        }
+    }
+
+
 def http_status(err: ProtocolError) -> int:
     """The HTTP status an error stands for (an HTTP answer's, and the Responses WebSocket
     error envelope's ``status``)."""

@@ -50,6 +50,7 @@ from gateway.engines.base import (
 from gateway.metrics import Metrics
 from gateway.observability import Observability, Record, TraceContext
 from gateway.scheduler import CancelReason, Job, Outcome, Scheduler
+from gateway.tenants import OverLimit
 from sessions import codec, errors, observed
 from sessions.conversation import Conversation, Item
 from sessions.outbox import Outbox, Wire
@@ -702,12 +703,7 @@ class Session:
             return
         if self.metrics is not None:
             self.metrics.tenant_refused.labels(tenant=self.tenant, reason="request").inc()
-        raise errors.ProtocolError(
-            "rate_limit_exceeded",
-            f"Rate limit reached: {over.message} Retry in {over.retry_after:.1f} s.",
-            error_type="requests",
-            retry_after=over.retry_after,
-        )
+        raise rate_limited(over)
 
     def affinity(self, key: str | None) -> str | None:
         """A client's cache key (``prompt_cache_key``) as the engine's affinity key: within
@@ -815,6 +811,16 @@ class Session:
                 calls=bool(r.calls),
                 counts_prompt=r.spec.counts_prompt,
             )
+
+
+def rate_limited(over: OverLimit) -> errors.ProtocolError:
+    """A request its tenant's limits refuse (gateway/tenants.py), as the client is told."""
+    return errors.ProtocolError(
+        "rate_limit_exceeded",
+        f"Rate limit reached: {over.message} Retry in {over.retry_after:.1f} s.",
+        error_type="requests",
+        retry_after=over.retry_after,
+    )
 
 
 def item_status(outcome: Outcome) -> str:
