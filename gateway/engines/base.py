@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -111,6 +112,17 @@ class Tool:
     strict: bool = False
     freeform: bool = False
     grammar: Constraint | None = None
+
+
+def freeform_input(arguments: str) -> str:
+    """A custom (``freeform``) tool call's input: the ``input`` of its whole arguments, or
+    the arguments themselves when the model wrote something else."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    found = value.get("input") if isinstance(value, dict) else None
+    return found if isinstance(found, str) else arguments
 
 
 ToolChoice = Literal["auto", "none", "required"] | str
