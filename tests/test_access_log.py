@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
+import openai
 import orjson
 import pytest
 from websockets.asyncio.client import connect
@@ -146,6 +147,21 @@ async def test_the_choices_of_one_request_are_one_line_with_the_requests_usage(
         assert x["output_tokens"] == usage["completion_tokens"] == choices * 8
         check_answer_timings(x)
     assert not [x for x in lines(caplog) if x["kind"] == "answer"]  # no line of their own
+
+
+async def test_openais_404_and_405_have_their_lines_and_the_id_the_sdk_reports(
+    gw: RunningGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with openai.AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key=KEY, max_retries=0) as c:
+        with pytest.raises(openai.NotFoundError) as missing:  # no embeddings on the sim
+            await c.embeddings.create(model="m", input="hello")
+        with pytest.raises(openai.APIStatusError) as wrong:
+            await c.get("/completions", cast_to=object)
+    for error, route, status in ((missing, "/v1/embeddings", 404), (wrong, "/v1/completions", 405)):
+        request_id = error.value.request_id
+        assert request_id is not None and request_id.startswith("req_")
+        x = await line(caplog, lambda x, rid=request_id: x.get("request_id") == rid)
+        assert (x["route"], x["status"], x["tenant"]) == (route, status, "alice")
 
 
 async def test_every_other_route_leaves_its_line(

@@ -140,6 +140,36 @@ async def test_chat_streams_logprobs_in_every_chunk_and_joined_they_are_the_answ
     assert [lp.model_dump() for lp in seen] == content
 
 
+async def test_each_of_n_choices_has_its_own_logprobs_streamed_or_not(
+    gw: RunningGateway,
+) -> None:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Two, please"}],
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    completion = strict(ChatCompletion, (await raw_post(gw, body)).json())
+    assert [c.index for c in completion.choices] == [0, 1]
+    for choice in completion.choices:
+        assert choice.logprobs is not None and choice.logprobs.content
+        tokens = [t.token for t in choice.logprobs.content]
+        assert "".join(tokens) == choice.message.content
+        assert [t.model_dump() for t in choice.logprobs.content] == expected(tokens, 2)
+    chunks = sse_chunks((await raw_post(gw, {**body, "stream": True})).text)
+    texts: dict[int, str] = {0: "", 1: ""}
+    joined: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+    for chunk in chunks:
+        strict(ChatCompletionChunk, chunk)
+        for choice in chunk["choices"]:
+            if choice["delta"].get("content"):
+                texts[choice["index"]] += choice["delta"]["content"]
+                joined[choice["index"]] += choice["logprobs"]["content"]
+    assert texts == {c.index: c.message.content for c in completion.choices}
+    assert all("".join(e["token"] for e in joined[i]) == texts[i] for i in (0, 1))
+
+
 async def test_chat_top_logprobs_zero_gives_the_token_alone(gw: RunningGateway) -> None:
     completion = await client(gw).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "Hi"}], logprobs=True

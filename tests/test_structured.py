@@ -109,6 +109,25 @@ async def test_json_object_on_both_apis(gw: RunningGateway) -> None:
     assert response.text.format.type == "json_object"
 
 
+async def test_each_of_n_choices_validates_against_the_schema(gw: RunningGateway) -> None:
+    c = client(gw)
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+    messages: Any = [{"role": "user", "content": "The weather in Paris."}]
+    whole = await c.chat.completions.create(model="m", messages=messages, response_format=fmt, n=3)
+    assert len(whole.choices) == 3
+    for choice in whole.choices:
+        jsonschema.validate(json.loads(choice.message.content or ""), WEATHER)
+    stream = await c.chat.completions.create(
+        model="m", messages=messages, response_format=fmt, n=3, stream=True
+    )
+    texts = ["", "", ""]
+    async for chunk in stream:
+        for streamed in chunk.choices:
+            texts[streamed.index] += streamed.delta.content or ""
+    for text in texts:
+        jsonschema.validate(json.loads(text), WEATHER)
+
+
 def strict_format(schema: Any) -> dict[str, Any]:
     return {
         "type": "json_schema",
