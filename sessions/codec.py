@@ -245,6 +245,20 @@ def json_body(body: str | bytes) -> dict[str, Any]:
     return obj
 
 
+def read_sampling(r: Reader) -> dict[str, float | None]:
+    """The sampling fields every dialect reads alike, in OpenAI's ranges: ``temperature``,
+    ``top_p`` and the two penalties."""
+    fields: dict[str, float | None] = {}
+    if r.has("temperature"):
+        fields["temperature"] = r.number("temperature", 0.0, 2.0)
+    if r.has("top_p"):
+        fields["top_p"] = r.number("top_p", 0.0, 1.0)
+    for penalty in ("frequency_penalty", "presence_penalty"):
+        if r.has(penalty):
+            fields[penalty] = r.number(penalty, *PENALTY_RANGE)
+    return fields
+
+
 def read_completion_fields(r: Reader) -> dict[str, Any]:
     """What both completion APIs (Chat Completions, Completions) read alike, by their
     bodies' field names: ``model``, ``stream`` and ``stream_options``
@@ -261,13 +275,7 @@ def read_completion_fields(r: Reader) -> dict[str, Any]:
         if options.obj.get("include_usage") is not None:
             fields["include_usage"] = options.boolean("include_usage")
         options.optional_boolean("include_obfuscation")  # no obfuscation: nothing to pad
-    if r.has("temperature"):
-        fields["temperature"] = r.number("temperature", 0.0, 2.0)
-    if r.has("top_p"):
-        fields["top_p"] = r.number("top_p", 0.0, 1.0)
-    for penalty in ("frequency_penalty", "presence_penalty"):
-        if r.has(penalty):
-            fields[penalty] = r.number(penalty, *PENALTY_RANGE)
+    fields.update(read_sampling(r))
     if r.has("seed"):
         fields["seed"] = r.integer("seed", 0, 2**64 - 1)
     if r.has("stop"):
