@@ -11,7 +11,6 @@ a deterministic valid instance (gateway/engines/instances.py).
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -21,7 +20,6 @@ import openai
 import orjson
 import pytest
 from pydantic import BaseModel
-from websockets.exceptions import ConnectionClosed
 
 from gateway.engines import grammars
 from gateway.engines.base import Constraint
@@ -29,7 +27,7 @@ from gateway.engines.sim import SimEngine
 from tests.support.gateway_processes import gateways
 from tests.support.harness import RawClient, RunningGateway, running_gateway
 from tests.support.redis_server import RedisServer, redis_server_fixture  # noqa: F401
-from tests.support.responses_harness import ResponsesClient, validate
+from tests.support.responses_harness import drained_mid_answer, validate
 from tests.support.scripted_engine import ScriptedEngine
 
 KEY = "key-structured"
@@ -318,24 +316,9 @@ async def test_a_takeover_ends_an_answer_under_a_schema_rather_than_splice_it(
     never completed with JSON that does not parse."""
     # Slow steps: the answer (some 20 pieces) is still streaming when the drain gives up.
     async with gateways(redis_server.url, 2, "--drain-timeout", "0.2", step_ms=100) as (a, b):
-        async with ResponsesClient.connect(a.url("/v1/responses")) as c:
-            fmt = {"type": "json_schema", "name": "math", "schema": MATH_SCHEMA, "strict": True}
-            await c.create(input="The weather, gateway", text={"format": fmt})
-            seen = [await c.recv() for _ in range(6)]
-            a.terminate()
-            with contextlib.suppress(ConnectionClosed):
-                while True:
-                    seen.append(await c.recv())
-            session, token = c.session_id, c.resume_token
-        assert await a.stop() == 0
-        assert seen[-1]["type"] != "response.completed", "it ended before the drain: too short"
-        headers = {
-            "x-session-id": session,
-            "x-resume-token": token,
-            "x-last-sequence-number": str(seen[-1]["sequence_number"]),
-        }
-        async with ResponsesClient.connect(b.url("/v1/responses"), additional_headers=headers) as r:
-            rest = await r.collect()
+        fmt = {"type": "json_schema", "name": "math", "schema": MATH_SCHEMA, "strict": True}
+        create = {"input": "The weather, gateway", "text": {"format": fmt}}
+        seen, rest = await drained_mid_answer(a, b, 6, **create)
     for event in seen + rest.events:
         validate(event)
     sent = "".join(e["delta"] for e in seen if e["type"] == "response.output_text.delta")
