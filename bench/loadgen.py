@@ -69,6 +69,10 @@ class Workload:
     chain: bool = True
     store: bool = False
     stream: bool = True
+    # Chat Completions: ask for log probabilities with this many alternatives (None: not).
+    logprobs: int | None = None
+    # Completions: the choices each request asks for (n), streamed interleaved.
+    choices: int = 1
 
 
 @dataclass
@@ -612,7 +616,7 @@ class _ChatTurn(_Turn):
             _finish_turn(tally, self, "failed", 0, t)
             return
         for choice in chunk["choices"]:
-            delta = choice["delta"].get("content")
+            delta = self.text(choice)
             if delta:
                 self.parts.append(delta)
                 if t in win:
@@ -628,6 +632,12 @@ class _ChatTurn(_Turn):
         if usage is not None:  # the last chunk (stream_options.include_usage)
             status = "incomplete" if self.finish_reason == "length" else "completed"
             _finish_turn(tally, self, status, usage["completion_tokens"], t)
+
+    @staticmethod
+    def text(choice: dict[str, Any]) -> str | None:
+        """A streamed choice's text."""
+        content: str | None = choice["delta"].get("content")
+        return content
 
 
 class ChatHttpSession(HttpSession):
@@ -645,6 +655,8 @@ class ChatHttpSession(HttpSession):
         }
         if w.stream:
             body["stream_options"] = {"include_usage": True}
+        if w.logprobs is not None:
+            body["logprobs"], body["top_logprobs"] = True, w.logprobs
         return body
 
     def _new_turn(self, record: bool) -> Any:
@@ -666,6 +678,51 @@ class ChatHttpSession(HttpSession):
             tally.delta_frames += 1
             tally.chars += len(text)
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+        _finish_turn(tally, turn, status, response["usage"]["completion_tokens"], t)
+
+
+class _CompletionTurn(_ChatTurn):
+    """A Completions turn: its ``text_completion`` chunks, every choice's (usage last)."""
+
+    @staticmethod
+    def text(choice: dict[str, Any]) -> str | None:
+        text: str = choice["text"]
+        return text
+
+
+class CompletionsHttpSession(ChatHttpSession):
+    """``POST /v1/completions`` on one keep-alive connection, a request per turn (its
+    ``n`` choices interleaved); with ``stream``, its chunks as they arrive."""
+
+    PATH = b"/v1/completions"
+
+    def _request_body(self, w: Workload) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": "default",
+            "prompt": f"{w.prompt} (session {self.index}, turn {self.turns})",
+            "max_tokens": 1_000_000,  # the sim's natural length, not OpenAI's default 16
+            "stream": w.stream,
+            "n": w.choices,
+        }
+        if w.stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    def _new_turn(self, record: bool) -> Any:
+        return _CompletionTurn(now(), record)
+
+    def _whole(
+        self, turn: Any, response: dict[str, Any], t: float, win: Window, tally: Tally
+    ) -> None:
+        text = "".join(choice["text"] for choice in response["choices"])
+        turn.parts.append(text)
+        turn.first = turn.last = t
+        if t in win:
+            tally.frames += 1
+            tally.delta_frames += 1
+            tally.chars += len(text)
+        length = any(choice["finish_reason"] == "length" for choice in response["choices"])
+        status = "incomplete" if length else "completed"
         _finish_turn(tally, turn, status, response["usage"]["completion_tokens"], t)
 
 
@@ -770,6 +827,7 @@ async def _open_sessions(
         "responses": ResponsesSession.open,
         "http": HttpSession.open,
         "chat": ChatHttpSession.open,
+        "completions": CompletionsHttpSession.open,
     }[kind]
 
     async def one(i: int) -> Any:

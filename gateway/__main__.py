@@ -28,12 +28,14 @@ from gateway.api import auth
 from gateway.cluster import redis_topology
 from gateway.config import GatewayConfig
 from gateway.engines.base import EngineError, EngineUnavailableError
+from gateway.observability import access_log
 from gateway.server import Gateway
 from gateway.transport import tls
 
 log = logging.getLogger("gateway")
 
 PROG = "llm-gateway"
+SERVED_APIS = "Realtime, Responses, Chat Completions, Completions"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOOPS = ("asyncio", "uvloop")
 LOOP_ENV_VAR = "LLM_GATEWAY_LOOP"
@@ -130,6 +132,21 @@ def session_store_url(text: str) -> str:
     return text
 
 
+def otlp_url(text: str) -> str:
+    """``--otlp-traces-endpoint``: an ``http://`` or ``https://`` URL (OTLP/HTTP's whole
+    traces URL, usually ending in ``/v1/traces``)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise argparse.ArgumentTypeError("expected a URL like http://127.0.0.1:4318/v1/traces")
+    if importlib.util.find_spec("opentelemetry.sdk") is None:
+        raise argparse.ArgumentTypeError(
+            "needs opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http: pip install them"
+        )
+    return text.strip()
+
+
 def node_name(text: str) -> str:
     """``--node``: letters, digits and ``-``, so that session ids stay parseable."""
     if not re.fullmatch(r"[A-Za-z0-9-]{1,32}", text):
@@ -143,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="python -m gateway",
         usage="%(prog)s [options]",
-        description="Streaming LLM gateway: the OpenAI Realtime text protocol over WebSocket,"
-        " and a chat page on the same port. README.md explains every flag.",
+        description="Streaming LLM gateway: OpenAI's Realtime (WebSocket), Responses (WebSocket"
+        " and HTTP), Chat Completions and Completions APIs, and a chat page, on one port over"
+        " one shared engine. README.md explains every flag.",
         formatter_class=_HelpFormatter,
     )
     server = parser.add_argument_group("server")
@@ -165,6 +183,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="INFO",
         metavar="LEVEL",
         help="debug, info, warning or error",
+    )
+    server.add_argument(
+        "--access-log",
+        type=str.lower,
+        choices=access_log.FORMATS,
+        default="text",
+        metavar="FORMAT",
+        help="request log: text, json or off",
+    )
+    server.add_argument(
+        "--otlp-traces-endpoint",
+        type=otlp_url,
+        metavar="URL",
+        help="export traces to this OTLP/HTTP URL",
     )
     server.add_argument(
         "--node",
@@ -205,6 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         metavar="N",
         help="responses waiting for a slot",
+    )
+    limits.add_argument(
+        "--max-choices",
+        type=_number(int, 1, 128),
+        default=16,
+        metavar="N",
+        help="choices per completions request",
     )
     limits.add_argument(
         "--max-sessions",
@@ -469,6 +508,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         tls=tls_from_args(args),
         max_running=args.max_running,
         max_queued=args.max_queued,
+        max_choices=args.max_choices,
         max_sessions=args.max_sessions,
         max_message_bytes=args.max_message_bytes,
         allowed_origins=tuple(args.allowed_origin),
@@ -489,6 +529,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         response_store_bytes=args.response_store_bytes,
         response_store_ttl=args.response_store_ttl,
         responses_max_age=args.responses_max_age,
+        access_log=args.access_log,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         served_model_names=tuple(args.served_model_name),
         hosted_tools=args.hosted_tools,
         background_retention=args.background_retention,
@@ -514,6 +556,7 @@ def ready_line(gateway: Gateway, seconds: float) -> str:
     return (
         f"ready in {seconds:.1f} s: chat page {page}://{base}/ · WebSocket {ws}://{base}/v1/realtime"
         f" · model {gateway.model} ({gateway.engine.name} engine{worker})"
+        f" · OpenAI API {page}://{base}/v1: {SERVED_APIS}"
     )
 
 
@@ -716,6 +759,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for handler in logging.getLogger().handlers:
         handler.addFilter(redact_secrets)
+    if args.access_log == "json":
+        # One JSON object a line, with nothing before it, for a log shipper to parse.
+        json_lines = logging.StreamHandler()
+        json_lines.addFilter(redact_secrets)
+        access = logging.getLogger(access_log.LOGGER)
+        access.addHandler(json_lines)
+        access.propagate = False
     if args.log_level != "DEBUG":
         # One line per connection and per HTTP GET is noise, and so is a traceback
         # for every malformed request a scanner sends; a failure of our own is not.

@@ -24,6 +24,8 @@ from websockets.asyncio.server import Server, ServerConnection, serve, unix_serv
 from gateway.api import auth, routes
 from gateway.api.admission import Admission
 from gateway.api.chat_http import ChatCompletionsHttp
+from gateway.api.completions_http import CompletionsHttp
+from gateway.api.embeddings_http import EmbeddingsHttp
 from gateway.api.responses_http import ResponsesHttp
 from gateway.api.websocket import WebSocketEndpoint, select_subprotocol
 from gateway.cluster import worker_relay
@@ -34,6 +36,7 @@ from gateway.cluster.store_relay import Inbound
 from gateway.config import GatewayConfig
 from gateway.engines.base import Engine, EngineError
 from gateway.metrics import Metrics
+from gateway.observability import Observability
 from gateway.scheduler import Scheduler
 from gateway.session_table import SessionTable
 from gateway.tenants import KeyEntry
@@ -61,6 +64,15 @@ class Gateway:
         self.config = config
         self.metrics = metrics or Metrics(config.worker)
         self.metrics.set_engine(engine.name)
+        # The access log, the spans and the latency histograms (gateway/observability/).
+        self.observability = Observability(
+            config.access_log,
+            metrics=self.metrics,
+            otlp_traces_endpoint=config.otlp_traces_endpoint,
+            provider_name=engine.name,
+            worker=config.worker,
+            untraced_routes=routes.UNTRACED_ROUTES,
+        )
         # What one batch of work writes to a socket leaves in one write (coalesce.py).
         self.write_batch = WriteBatch()
         self.scheduler = Scheduler(
@@ -78,6 +90,7 @@ class Gateway:
             self.metrics,
             worker_relay.owner_tag(config.node, config.worker),
             self._describe_sessions(),
+            self.observability,
         )
         self.response_store = ResponseStore(config.response_store_bytes, config.response_store_ttl)
         dialects = DialectContext(self.response_store, config.max_parallel_per_session)
@@ -85,6 +98,7 @@ class Gateway:
         self._random_client_secret_key = secrets.token_bytes(32)
         self.admission = Admission(self._credentials(), config.allowed_origins)
         self.scheduler.tenants.limits = self.admission.credentials.limits
+        self.observability.tenant_of = self.admission.tenant_of_http
         self.pending = Pending(config.max_handshakes, on_drop=self._handshake_dropped)
         self.store: RedisStore | None = None
         self.persistence: Persistence | None = None
@@ -117,11 +131,14 @@ class Gateway:
             self.store,
             self.persistence,
             self.write_batch,
+            self.observability,
         )
         self.responses_http = ResponsesHttp(
             config, self, self.table, self.admission, self.response_store, self.persistence
         )
         self.chat_http = ChatCompletionsHttp(config, self, self.table, self.admission)
+        self.completions_http = CompletionsHttp(config, self, self.table, self.admission)
+        self.embeddings_http = EmbeddingsHttp(config, self, self.table, self.admission)
         self._server: Server | None = None
         # The live TLS context of the listening socket; SIGHUP loads new files into it.
         self._tls: ssl.SSLContext | None = None
@@ -135,7 +152,6 @@ class Gateway:
         # Set when the engine fails for good (Engine._fail); the CLI then stops and exits.
         self.engine_failed = asyncio.Event()
         engine.on_failure = lambda _reason: self.engine_failed.set()
-        engine.on_moved = self.metrics.upstream_moves.inc
 
     @property
     def sessions(self) -> ValuesView[Session]:
@@ -175,6 +191,7 @@ class Gateway:
     def health(self) -> dict[str, object]:
         return {
             "status": "ok",
+            "ready": self.ready,  # what /readyz answers, beside which worker says it
             "engine": self.engine.name,
             "model": self.model,
             "engine_details": self.engine.describe(),
@@ -191,12 +208,20 @@ class Gateway:
         m.frames.set(frames)
         m.delta_frames.set(delta_frames)
         m.bytes_out.set(sent)
+        m.trace_spans_dropped.set(self.observability.spans_dropped)
         return m.render()
 
     def _routes(self) -> Router:
         """Every plain HTTP route (a test's subclass adds its own)."""
         return routes.router(
-            self.config, self, self.table, self.admission, self.responses_http, self.chat_http
+            self.config,
+            self,
+            self.table,
+            self.admission,
+            self.responses_http,
+            self.chat_http,
+            self.completions_http,
+            self.embeddings_http,
         )
 
     def _handshake_dropped(self, reason: str) -> None:
@@ -214,6 +239,7 @@ class Gateway:
             keepalive_timeout=self.config.keepalive_timeout,
             logger=log,
             write_batch=self.write_batch,
+            observability=self.observability,
         )
         if self.config.tls is not None:
             self._tls = tls.server_context(self.config.tls)
@@ -289,11 +315,6 @@ class Gateway:
             frequency_penalty=engine.default_sampling.frequency_penalty,
             presence_penalty=engine.default_sampling.presence_penalty,
         )
-
-    @property
-    def session_defaults(self) -> SessionConfig:
-        """What a new session starts with: the engine's and the command line's defaults."""
-        return self.table.defaults
 
     @property
     def model(self) -> str:
@@ -440,4 +461,5 @@ class Gateway:
             await self._inbound.close()
         if self.store is not None:
             await self.store.close()
+        await self.observability.close()
         self._server = None

@@ -124,25 +124,28 @@ class TenantBook:
         wanted = TOKENS_RESERVED_WITHOUT_LIMIT if max_output_tokens is None else max_output_tokens
         return max(0, min(wanted, tpm))
 
-    def refuse_request(self, tenant: str, max_output_tokens: int | None = None) -> OverLimit | None:
-        """Whether ``tenant`` may start another answer (limited to ``max_output_tokens``)
-        now, and if not, why."""
+    def refuse_request(
+        self, tenant: str, answers: int = 1, max_output_tokens: int | None = None
+    ) -> OverLimit | None:
+        """Whether ``tenant`` may start ``answers`` more answers (each limited to
+        ``max_output_tokens``) now, and if not, why: each choice of a request with several
+        is an answer, and reserves its own tokens."""
         limits = self.of(tenant)
         if limits is NO_LIMITS:
             return None
-        if limits.max_running is not None and self.in_flight[tenant] >= limits.max_running:
-            return OverLimit(
-                f"This key has {limits.max_running} answers running, its max_running.", 1.0
-            )
+        running = limits.max_running
+        if running is not None and self.in_flight[tenant] + answers > running:
+            return OverLimit(f"This key has {running} answers running, its max_running.", 1.0)
         usage = self._window(tenant)
         now = self._clock()
         rpm = limits.requests_per_minute
-        if rpm is not None and len(usage.requests) >= rpm:
+        if rpm is not None and len(usage.requests) + answers > rpm:
             wait = usage.requests[0] + WINDOW_S - now if usage.requests else WINDOW_S
             return OverLimit(f"This key's requests_per_minute ({rpm}) is used up.", wait)
         tpm = limits.tokens_per_minute
         wanted = self.reservation(tenant, max_output_tokens)
-        if tpm is not None and usage.token_sum + self.reserved[tenant] + max(wanted, 1) > tpm:
+        need = answers * max(wanted, 1)
+        if tpm is not None and usage.token_sum + self.reserved[tenant] + need > tpm:
             # Room comes back as the window's oldest tokens leave it, or (when answers
             # running hold it) as they end.
             wait = usage.tokens[0][0] + WINDOW_S - now if usage.tokens else 1.0

@@ -66,7 +66,7 @@ def responses_url(gw: RunningGateway) -> str:
 
 
 def client(gw: RunningGateway) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key="k", max_retries=0)
+    return gw.openai()
 
 
 async def raw_post(gw: RunningGateway, body: dict[str, Any]) -> httpx.Response:
@@ -210,9 +210,9 @@ async def test_a_non_streaming_tool_call_is_one_message_with_tool_calls(
     [
         ({"messages": []}, 400, "invalid_type", "messages"),
         ({}, 400, "missing_required_parameter", "messages"),
-        ({"n": 2}, 400, "unsupported_value", "n"),
-        ({"logprobs": True}, 400, "unsupported_value", "logprobs"),
-        ({"response_format": {"type": "json_object"}}, 400, "unsupported_value", "response_format"),
+        ({"n": 17}, 400, "invalid_value", "n"),  # over --max-choices (16)
+        ({"top_logprobs": 2}, 400, "invalid_value", "top_logprobs"),
+        ({"response_format": {"type": "xml"}}, 400, "invalid_value", "response_format.type"),
         ({"functions": [{"name": "f"}]}, 400, "unsupported_value", "functions"),
         ({"frobnicate": 1}, 400, "unknown_parameter", "frobnicate"),
         ({"temperature": 3}, 400, "invalid_value", "temperature"),

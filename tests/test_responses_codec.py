@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from openai.types.responses import response_create_params as create_params
 from openai.types.responses import tool_param
 
+from gateway.engines.base import freeform_input
 from sessions import codec, errors
 from sessions.responses import codec as rs
 from sessions.responses import tools as rtools
@@ -213,7 +214,12 @@ def test_fields_that_ask_for_nothing_a_text_engine_lacks_are_accepted() -> None:
 
 
 def test_tools_and_tool_choice() -> None:
-    weather = {"type": "object", "properties": {"city": {"type": "string"}}}
+    weather = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
     body = create(
         tools=[
             {
@@ -308,10 +314,10 @@ def test_a_custom_inputs_prefix_decodes_as_its_arguments_arrive(text: str) -> No
     for size in (1, 2, 3, 7, len(arguments)):  # every cut, escapes and pairs included
         decoder = rtools.InputDecoder()
         pieces = [arguments[i : i + size] for i in range(0, len(arguments), size)]
-        assert "".join(decoder.feed(p) for p in pieces) == text == rtools.custom_input(arguments)
+        assert "".join(decoder.feed(p) for p in pieces) == text == freeform_input(arguments)
     other = rtools.InputDecoder()
     assert other.feed('{"other": 1, "input": "x"}') == "" and other.feed("more") == ""
-    assert rtools.custom_input("not json") == "not json"
+    assert freeform_input("not json") == "not json"
 
 
 def test_a_custom_inputs_decoder_holds_back_at_most_an_escape() -> None:
@@ -489,7 +495,12 @@ REFUSALS: list[tuple[str | bytes, str, str | None]] = [
     (_create(stream_id=7), "invalid_stream_id", "stream_id"),
     (_create(truncation="sometimes"), "invalid_value", "truncation"),
     (_create(text="plain"), "invalid_type", "text"),
-    (_create(text={"format": {"type": "json_schema"}}), "unsupported_value", "text.format.type"),
+    (
+        _create(text={"format": {"type": "json_schema"}}),
+        "missing_required_parameter",
+        "text.format.name",
+    ),
+    (_create(text={"format": {"type": "grammar"}}), "invalid_value", "text.format.type"),
     (_create(text={"format": "text"}), "invalid_type", "text.format"),
     # input
     (_create(input=5), "invalid_type", "input"),

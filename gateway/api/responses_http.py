@@ -24,17 +24,16 @@ import asyncio
 import logging
 from typing import Any
 
-import orjson
-
-from gateway.api.admission import Admission, Entry
+from gateway.api.admission import Admission
 from gateway.api.background_responses import UNREAD, BackgroundResponses, Live
+from gateway.api.http_api import SSE_HEADERS, HttpApi, send_error
 from gateway.api.status import ServerState
 from gateway.api.waiter import Waiter
 from gateway.cluster.background import Remote, latest_response
 from gateway.cluster.persistence import Persistence
 from gateway.config import GatewayConfig
+from gateway.observability import Record
 from gateway.session_table import SessionTable
-from gateway.tenants import retry_after_header
 from gateway.transport.http1 import HttpReply, HttpRequest
 from gateway.transport.router import Router
 from gateway.transport.sse import SseWire
@@ -47,16 +46,11 @@ from sessions.responses.dialect import ResponsesDialect, ResponsesFraming
 
 log = logging.getLogger(__name__)
 
-SSE_HEADERS = (
-    ("Content-Type", "text/event-stream; charset=utf-8"),
-    ("Cache-Control", "no-cache"),
-    ("X-Accel-Buffering", "no"),  # nginx: pass each event on at once
-)
 BACKGROUND_REPLAY_BYTES = 4 << 20  # a background response's events, for starting_after
 
 
-class ResponsesHttp:
-    """The routes (see the module docstring); ``register`` puts them on a router."""
+class ResponsesHttp(HttpApi):
+    """The routes (see the module docstring)."""
 
     def __init__(
         self,
@@ -67,10 +61,7 @@ class ResponsesHttp:
         response_store: ResponseStore,
         persistence: Persistence | None = None,
     ) -> None:
-        self._config = config
-        self._state = state
-        self._table = table
-        self._admission = admission
+        super().__init__(config, state, table, admission)
         self.response_store = response_store
         self._persistence = persistence
         self.background = BackgroundResponses(
@@ -92,29 +83,32 @@ class ResponsesHttp:
     # -- POST /v1/responses ------------------------------------------------------------
 
     async def create(self, request: HttpRequest, reply: HttpReply) -> None:
-        tenant = self._tenant(request, reply)
+        tenant = self.admitted(request, reply)
         if tenant is None:
             return
         try:
             body = await self._read_body(request, tenant)
         except errors.ProtocolError as err:
-            _error(reply, err)
+            send_error(reply, err)
             return
         waiter = Waiter()
         dialect = ResponsesDialect(self.response_store, waiter)
+        if body.background and request.record is not None:
+            request.record.background = True  # its answer outlives it: a line of its own
         session = self._table.open(
             dialect,
             ResponsesFraming(),
             replay_bytes=BACKGROUND_REPLAY_BYTES if body.background else 0,
             kept=body.background,  # a plain answer dies with its request: no one resumes it
             tenant=tenant,
+            origin=request.record,
         )
         await session.deliver(rp.Create(body))
         try:
             started = await waiter.start
         except errors.ProtocolError as err:
             session.close("disconnected")
-            _error(reply, err)
+            send_error(reply, err)
             return
         if body.background:
             await self.background.keep(started["id"], session, dialect, waiter)
@@ -133,14 +127,7 @@ class ResponsesHttp:
                 session.close("disconnected")  # a no-op once it has ended
 
     async def _read_body(self, request: HttpRequest, tenant: str) -> rp.CreateBody:
-        try:
-            obj = orjson.loads(request.body)
-        except orjson.JSONDecodeError as exc:
-            raise errors.ProtocolError(
-                "invalid_json", f"The body is not valid JSON: {exc}."
-            ) from None
-        if not isinstance(obj, dict):
-            raise errors.ProtocolError("invalid_value", "The body must be a JSON object.")
+        obj = codec.json_body(request.body)
         if "stream_id" in obj:
             raise errors.ProtocolError(
                 "unknown_parameter",
@@ -163,12 +150,21 @@ class ResponsesHttp:
             )
         return body
 
-    async def _stream(self, reply: HttpReply, session: Session, after: int, *, keep: bool) -> None:
+    async def _stream(
+        self,
+        reply: HttpReply,
+        session: Session,
+        after: int,
+        *,
+        keep: bool,
+        origin: Record | None = None,
+    ) -> None:
         """SSE of ``session``'s events after number ``after``, until its terminal event
-        (or the client goes: a plain response is then cancelled, a background one not)."""
+        (or the client goes: a plain response is then cancelled, a background one not).
+        ``origin``: a GET picking a background response up (its answer says so)."""
         code = session.can_resume(session.resume_token, after)
         if code is not None:
-            _error(reply, _not_kept(code))
+            send_error(reply, _not_kept(code))
             return
         # The head goes first: attaching the wire writes what is pending at once (with
         # the head, in one write). A background response's events wait for the session
@@ -177,7 +173,7 @@ class ResponsesHttp:
         wire = SseWire(reply, hold=hold)
         with session.scheduler.write_batch:
             reply.start(200, SSE_HEADERS)
-            session.resume(session.resume_token, after, wire, rotate=False)
+            session.resume(session.resume_token, after, wire, rotate=False, origin=origin)
         await self._follow(session, wire, keep=keep)
 
     async def _follow(self, session: Session, wire: SseWire, *, keep: bool) -> None:
@@ -196,7 +192,7 @@ class ResponsesHttp:
     # -- the routes of one response ------------------------------------------------------
 
     async def retrieve(self, request: HttpRequest, reply: HttpReply) -> None:
-        tenant = self._tenant(request, reply, engine=False)
+        tenant = self.admitted(request, reply, engine=False)
         if tenant is None:
             return
         response_id = request.params["id"]
@@ -207,7 +203,7 @@ class ResponsesHttp:
                 return
             after = request.arg("starting_after", "-1") or "-1"
             if not after.lstrip("-").isdigit() or int(after) < -1:
-                _error(
+                send_error(
                     reply,
                     errors.ProtocolError(
                         "invalid_value",
@@ -219,7 +215,9 @@ class ResponsesHttp:
             if isinstance(target, Remote):
                 await self._relay(reply, target, int(after))
             else:
-                await self._stream(reply, target.session, int(after), keep=True)
+                await self._stream(
+                    reply, target.session, int(after), keep=True, origin=request.record
+                )
             return
         live = self.background.get(response_id, tenant)
         body = live.waiter.body if live is not None else None
@@ -239,7 +237,7 @@ class ResponsesHttp:
         reply.send_json(200, body)
 
     async def cancel(self, request: HttpRequest, reply: HttpReply) -> None:
-        tenant = self._tenant(request, reply, engine=False)
+        tenant = self.admitted(request, reply, engine=False)
         if tenant is None:
             return
         response_id = request.params["id"]
@@ -258,7 +256,7 @@ class ResponsesHttp:
             if stored is None:
                 _not_found(reply, response_id)
             elif not stored.body.get("background"):
-                _error(
+                send_error(
                     reply,
                     errors.ProtocolError(
                         "invalid_value", "Only background responses can be cancelled."
@@ -272,7 +270,7 @@ class ResponsesHttp:
         reply.send_json(200, await asyncio.shield(live.waiter.end))
 
     async def delete(self, request: HttpRequest, reply: HttpReply) -> None:
-        tenant = self._tenant(request, reply, engine=False)
+        tenant = self.admitted(request, reply, engine=False)
         if tenant is None:
             return
         response_id = request.params["id"]
@@ -292,7 +290,7 @@ class ResponsesHttp:
         reply.send_json(200, {"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def input_items(self, request: HttpRequest, reply: HttpReply) -> None:
-        tenant = self._tenant(request, reply, engine=False)
+        tenant = self.admitted(request, reply, engine=False)
         if tenant is None:
             return
         response_id = request.params["id"]
@@ -303,7 +301,7 @@ class ResponsesHttp:
         items = [_item_json(i) for i in stored.input_items]
         order = request.arg("order", "desc")
         if order not in ("asc", "desc"):
-            _error(
+            send_error(
                 reply,
                 errors.ProtocolError("invalid_value", "'order' is asc or desc.", param="order"),
             )
@@ -317,7 +315,7 @@ class ResponsesHttp:
         limit_text = request.arg("limit", "20") or "20"
         limit = int(limit_text) if limit_text.isdigit() else 0
         if not 1 <= limit <= 100:
-            _error(
+            send_error(
                 reply, errors.ProtocolError("invalid_value", "'limit' is 1 to 100.", param="limit")
             )
             return
@@ -334,18 +332,6 @@ class ResponsesHttp:
         )
 
     # -- internals -----------------------------------------------------------------------
-
-    def _tenant(self, request: HttpRequest, reply: HttpReply, *, engine: bool = True) -> str | None:
-        """The request's tenant, or None once it is answered as not to be served
-        (credentials, Origin, load)."""
-        refused = self._admission.refuse_http(
-            request.headers, ready=self._state.ready, need_engine=engine
-        )
-        if refused is None:
-            return self._admission.tenant(request.headers, Entry.HTTP)
-        err = errors.ProtocolError(refused.code, refused.message, error_type=refused.error_type)
-        reply.send_json(refused.status, _error_body(err), refused.headers)
-        return None
 
     async def _find(self, response_id: str, tenant: str) -> StoredResponse | None:
         """``tenant``'s finished response: the store's (this process's, else the session
@@ -366,7 +352,7 @@ class ResponsesHttp:
         """SSE of a response another process holds, from its log; if that process goes
         meanwhile, the response is taken over here and the same stream goes on."""
         if self.background.gap(remote, after):
-            _error(reply, _not_kept("resume_gap"))
+            send_error(reply, _not_kept("resume_gap"))
             return
         reply.start(200, SSE_HEADERS)
         # Held for the store like a local stream: after a takeover the session writes here.
@@ -377,30 +363,12 @@ class ResponsesHttp:
             await self._follow(live.session, wire, keep=True)
 
 
-def _error_body(err: errors.ProtocolError) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": err.message,
-            "type": err.error_type,
-            "param": err.param,
-            "code": err.code,
-        }
-    }
-
-
 def _not_kept(code: str) -> errors.ProtocolError:
     return errors.ProtocolError(
         code,
         "Those events are no longer kept: retrieve the response without stream.",
         param="starting_after",
     )
-
-
-def _error(reply: HttpReply, err: errors.ProtocolError) -> None:
-    status = codec.http_status(err)
-    wait = retry_after_header(err.retry_after or 1.0)
-    headers = {"Retry-After": wait} if status in (429, 503) else None
-    reply.send_json(status, _error_body(err), headers)
 
 
 def _not_found(reply: HttpReply, response_id: str, *, stream: bool = False) -> None:
@@ -410,7 +378,7 @@ def _not_found(reply: HttpReply, response_id: str, *, stream: bool = False) -> N
         if stream
         else f"Response with id '{response_id}' not found."
     )
-    reply.send_json(404, _error_body(errors.ProtocolError("response_not_found", message)))
+    reply.send_json(404, codec.error_json(errors.ProtocolError("response_not_found", message)))
 
 
 def _item_json(item: Item) -> codec.JSON:

@@ -36,6 +36,7 @@ from redis.exceptions import RedisError
 
 from gateway.cluster.redis_store import Loaded, RedisStore, Source
 from gateway.metrics import Metrics
+from gateway.observability import Record
 from gateway.session_table import SessionTable
 from gateway.transport.sse import SseWire
 from gateway.transport.wire import SocketWire
@@ -154,6 +155,7 @@ class Persistence:
             return
         log.warning("session %s was taken over by another gateway: closed here", session_id)
         _cut(session)
+        _handed_over(session)
         wire = session.outbox.abandon()
         if wire is not None:
             abandon = getattr(wire, "abandon", None)
@@ -175,6 +177,7 @@ class Persistence:
             self.store.save(session.id, lambda data=data: data)  # type: ignore[misc]
             self.store.release(session.id, window)
             _cut(session)
+            _handed_over(session)
             # At once, with no await before it: a frame numbered from now on would reach
             # the client without being in the log. What is pending still goes, after the
             # flush that logs it (the socket holds it till then).
@@ -209,9 +212,12 @@ class Persistence:
             raise ResumeRefused("session_not_found")
         return loaded
 
-    async def take_over(self, loaded: Loaded, token: str, last: int, wire: Wire) -> Session:
+    async def take_over(
+        self, loaded: Loaded, token: str, last: int, wire: Wire, origin: Record | None = None
+    ) -> Session:
         """Make the stored session this process's, its client on ``wire`` (replayed from
-        ``last``), its answers in flight going on; else raise :class:`ResumeRefused`."""
+        ``last``; ``origin``: its connection or request), its answers in flight going on;
+        else raise :class:`ResumeRefused`."""
         table = self._table
         session_id = loaded.state["id"]
         if not await self.store.acquire(session_id):
@@ -232,9 +238,11 @@ class Persistence:
             token=token,
             limits=table.limits,
             metrics=self._metrics,
+            observability=table.observability,
         )
         table.register(session)
-        code = session.resume(token, last, wire, rotate=kind.rotates_resume_token)
+        rotate = kind.rotates_resume_token
+        code = session.resume(token, last, wire, rotate=rotate, origin=origin)
         if code is not None:
             session.close("disconnected")
             self._metrics.takeovers.labels(outcome=code).inc()
@@ -256,3 +264,12 @@ def _cut(session: Session) -> None:
     session.outbox.on_token_ids = None
     session.outbox.on_attach = None
     session.on_change = None
+
+
+def _handed_over(session: Session) -> None:
+    """What this process ends of ``session``'s answers from now on is no cancel: another
+    process goes on with them (its access log line and span say so)."""
+    for r in session.responses:
+        if r.record is not None:
+            r.record.handed_over = True
+            r.record.note("handover")

@@ -13,6 +13,13 @@ only because the engine asks for progress reports (``return_progress``), one
 per prompt batch of ``prefill_batch`` tokens, so there a cancel or ``close()``
 takes effect within one batch.
 
+Log probabilities (``SamplingParams.logprobs``) go in the chat body as ``logprobs`` and
+``top_logprobs``; llama.cpp sends an entry per piece of text it streams (a piece it
+held back, such as the bytes of one character over several tokens, is one entry with
+the text and the log probability of its last token). It reports none for the prompt's
+own tokens, nor for a streamed answer with tools: such requests are refused with a 400
+(:meth:`LlamaCppEngine.check`).
+
 The server also listens on a random loopback port (it always does); the engine
 protects it with a random API key and uses its ``/apply-template`` and
 ``/tokenize`` handlers to count a conversation's tokens the way the model sees
@@ -41,7 +48,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 from urllib.parse import urlsplit
 
 from gateway.engines.base import (
@@ -52,17 +59,29 @@ from gateway.engines.base import (
     Finished,
     FinishReason,
     GenerationRequest,
+    InvalidRequestError,
+    LogprobsUnsupportedError,
     Message,
     Output,
     PromptTokens,
     SamplingParams,
+    StreamEvent,
     TextDelta,
+    TokenLogprob,
     ToolCallDelta,
     Usage,
     chat_messages,
+    check_token_ids,
     fit_to_context,
 )
-from gateway.engines.openai_chat import tool_call_deltas, tools_body
+from gateway.engines.openai_chat import (
+    choice_logprobs,
+    logprobs_body,
+    tool_call_deltas,
+    tools_body,
+)
+from gateway.engines.structured import Plan, plan
+from gateway.engines.tool_format import CallText
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +244,8 @@ def _native_stderr() -> Iterator[_Captured]:
         try:
             yield captured
         finally:
+            if captured.failed:
+                _await_last_native_line(sink)
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
@@ -237,6 +258,25 @@ def _native_stderr() -> Iterator[_Captured]:
             rest = b"".join(lines)
             while rest:
                 rest = rest[os.write(2, rest) :]
+
+
+# llama.cpp's logger writes from a thread of its own, after the call that logged has
+# returned: a failed load's last lines can reach file descriptor 2 after the Python
+# exception. This is the line its server logs last when a load fails.
+_LAST_FAILURE_LINE = b"exiting due to model loading error"
+_NATIVE_LOG_DRAIN_S = 1.0
+
+
+def _await_last_native_line(sink: IO[bytes]) -> None:
+    """Wait (bounded) until llama.cpp's logger thread has written the failed load's last
+    line into ``sink``, so that none of its lines reaches the real stderr after ours."""
+    # pread, not seek and read: descriptor 2 shares the file's offset with ``sink``, so
+    # moving it would make the logger's next line overwrite the first ones.
+    fd, deadline = sink.fileno(), time.monotonic() + _NATIVE_LOG_DRAIN_S
+    while time.monotonic() < deadline:
+        if _LAST_FAILURE_LINE in os.pread(fd, os.fstat(fd).st_size, 0):
+            return
+        time.sleep(0.005)  # a thread we cannot join: poll the file it writes
 
 
 def _load_failure(model_path: Path, native_log: str) -> str:
@@ -334,6 +374,11 @@ class _LoopbackApi:
         body = {"content": prompt, "add_special": True, "parse_special": True}
         return len(self.post("/tokenize", body)["tokens"])
 
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (its ``/v1/models`` entry says it), 0 if unsaid."""
+        models = self.get("/v1/models").get("data") or [{}]
+        return int((models[0].get("meta") or {}).get("n_vocab") or 0)
+
     def count_text(self, text: str) -> int:
         """Tokens of ``text`` alone (an answer so far)."""
         return len(self.post("/tokenize", {"content": text, "add_special": False})["tokens"])
@@ -398,6 +443,8 @@ class _Generation:
     stopped: bool = False  # the callback stopped llama.cpp because of ``cancelled``
     failure: BaseException | None = None  # what the callback raised (llama.cpp hides it)
     continued: int = 0  # tokens of the continuation (the answer so far, before a takeover)
+    plan: Plan | None = None  # how its tools and response format are asked for
+    calls: CallText | None = None  # parses calls in the gateway's tool format
 
 
 class LlamaCppEngine(Engine):
@@ -410,6 +457,7 @@ class LlamaCppEngine(Engine):
     # turn open with the text in it, and the answer goes on from there (a takeover's
     # continuation, GenerationRequest.continuation: its deltas are only what follows).
     can_continue = True
+    reports_logprobs = True
 
     def __init__(
         self,
@@ -445,6 +493,10 @@ class LlamaCppEngine(Engine):
         self._api: _LoopbackApi | None = None
         self._slot_table = SlotTable(slots)
         self._generations: dict[str, _Generation] = {}  # by request id, until reported ended
+        # Whether the chat template shows tools to the model (SmolLM2's does not): if not,
+        # tools go in the gateway's own format (gateway/engines/structured.py).
+        self.template_renders_tools = False
+        self._vocab_size = 0  # the model's, once started (a raw prompt's ids are checked)
 
     @property
     def capacity(self) -> int:
@@ -457,6 +509,22 @@ class LlamaCppEngine(Engine):
 
     def describe(self) -> dict[str, object]:
         return {"model": self.model_name, "ctx": self.ctx, "slots": self.slots}
+
+    def check_structure(self, request: GenerationRequest) -> None:
+        """Compile the request's grammars (cached by content): one LLGuidance cannot
+        compile is a 400 here, since llama.cpp would sample unconstrained text."""
+        self._plan(request)
+
+    def continues(self, request: GenerationRequest) -> bool:
+        """Not under a grammar (see Engine.continues): here also a request's tools that the
+        chat template cannot render, which go in the gateway's format under one."""
+        try:
+            return self.can_continue and self._plan(request).grammar is None
+        except InvalidRequestError:
+            return False
+
+    def _plan(self, request: GenerationRequest) -> Plan:
+        return plan(request, template_renders_tools=self.template_renders_tools)
 
     async def slot_settings(self) -> list[dict[str, Any]]:
         """llama.cpp's own view of each slot (its ``/slots``): ``params`` holds the sampler
@@ -479,7 +547,11 @@ class LlamaCppEngine(Engine):
         began = time.perf_counter()
         api_key = secrets.token_urlsafe(24)
         self._server = await _in_thread(lambda: self._load(api_key), "llamacpp-load")
-        self._api = _LoopbackApi(self._server.listening_address, api_key)
+        self._api = api = _LoopbackApi(self._server.listening_address, api_key)
+        self._vocab_size = await _in_thread(api.vocab_size, "llamacpp-vocab")
+        self.template_renders_tools = await _in_thread(
+            lambda: _renders_tools(api), "llamacpp-template"
+        )
         log.info(
             "llamacpp: loaded %s in %.2f s (ctx %d per slot, %d slots, threads %s)",
             self.model_name,
@@ -540,6 +612,22 @@ class LlamaCppEngine(Engine):
             # loop thread: do it off the event loop.
             await _in_thread(server.clear, "llamacpp-close")
 
+    def check(self, request: GenerationRequest) -> None:
+        sampling = request.sampling
+        if self._vocab_size and isinstance(request.prompt, tuple):
+            check_token_ids(request.prompt, self._vocab_size)
+        if sampling.prompt_logprobs is not None:
+            raise LogprobsUnsupportedError(
+                "llama.cpp does not report log probabilities for the prompt's own tokens "
+                "(its server has no echo): ask for the answer's alone."
+            )
+        if sampling.logprobs is not None and request.tools:
+            raise LogprobsUnsupportedError(
+                "llama.cpp does not report log probabilities for a streamed answer with "
+                "tools: send the request without tools, or without logprobs."
+            )
+        super().check(request)
+
     def submit(self, request: GenerationRequest) -> None:
         rid = request.request_id
         # Not ready also while close() runs: a worker started then would outlive the model.
@@ -597,28 +685,27 @@ class LlamaCppEngine(Engine):
                 return True
 
         terminal: Output
+        request = generation.request
         try:
-            messages = self._fit(generation)
-            if generation.request.continuation and self._api is not None:
-                # The answer's budget and usage are the whole answer's, its first part too.
-                generation.continued = self._api.count_text(generation.request.continuation)
-            generation.stopped = generation.cancelled.is_set()
-            if not generation.stopped:
-                self._server.handle_chat_completions(self._body(generation, messages), callback)
-            if generation.failure is not None:
-                raise EngineError(
-                    "engine_error", f"the llamacpp engine failed mid-answer: {generation.failure!r}"
-                ) from generation.failure
-            if generation.error is not None:
-                raise _error_from(generation.error)
-            if generation.stopped and generation.aborted:
-                terminal = Finished("cancelled", _usage(generation))
-            elif generation.stopped:
-                terminal = EngineError(
-                    "engine_closed", "the engine shut down during the generation"
-                )
+            generation.plan = self._plan(request)
+            if generation.plan.generic:
+                generation.calls = CallText(request)
+            # A conversation goes through llama.cpp's chat handler (its chat template), a
+            # raw prompt through its completion handler, as it is.
+            if request.prompt is None:
+                head: dict[str, Any] = {"messages": chat_messages(self._fit(generation))}
             else:
-                terminal = Finished(generation.finish_reason, _usage(generation))
+                head = {"prompt": self._raw_prompt(request)}
+            if request.continuation and self._api is not None:
+                # The answer's budget and usage are the whole answer's, its first part too.
+                generation.continued = self._api.count_text(request.continuation)
+            generation.stopped = generation.cancelled.is_set()
+            if request.sampling.max_output_tokens == 0:
+                # Nothing to generate (a legacy echo of the prompt alone): llama.cpp would
+                # still make one token, so the prompt is only counted.
+                terminal = self._count_only(generation, head)
+            else:
+                terminal = self._generate(generation, head, callback)
         except EngineError as exc:
             terminal = exc
         except Exception as exc:
@@ -628,22 +715,76 @@ class LlamaCppEngine(Engine):
         except RuntimeError:  # the loop closed: nobody listens, but the slot is free
             self._let_go(generation)
 
+    def _generate(
+        self,
+        generation: _Generation,
+        head: dict[str, Any],
+        callback: Callable[[dict[str, Any]], bool],
+    ) -> Output:
+        """Run the generation to its end (the callback reports its chunks); its terminal
+        output. Raises :class:`EngineError`."""
+        if not generation.stopped:
+            body = self._body(generation, head)
+            if "messages" in head:
+                self._server.handle_chat_completions(body, callback)
+                self._flush_calls(generation)
+            else:
+                self._server.handle_completions(body, callback)
+        if isinstance(generation.failure, EngineError):
+            raise generation.failure
+        if generation.failure is not None:
+            raise EngineError(
+                "engine_error", f"the llamacpp engine failed mid-answer: {generation.failure!r}"
+            ) from generation.failure
+        if generation.error is not None:
+            raise _error_from(generation.error)
+        if generation.stopped and generation.aborted:
+            return Finished("cancelled", _usage(generation))
+        if generation.stopped:
+            return EngineError("engine_closed", "the engine shut down during the generation")
+        return Finished(generation.finish_reason, _usage(generation))
+
+    def _raw_prompt(self, request: GenerationRequest) -> str | list[int | str]:
+        """A raw prompt as llama.cpp's completion handler takes it: text (special tokens
+        written in it are parsed, as llama.cpp's own server does), or token ids, followed
+        by a continued answer's text (llama.cpp reads a mixed list of both)."""
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            return prompt + request.continuation
+        assert prompt is not None  # its ids were checked against the vocabulary (check)
+        return [*prompt, request.continuation] if request.continuation else list(prompt)
+
+    def _count_only(self, generation: _Generation, head: dict[str, Any]) -> Output:
+        """The prompt's tokens, reported without generating any."""
+        assert self._api is not None
+        if "messages" in head:
+            tokens = self._api.count_tokens(generation.request.messages)
+        elif isinstance(head["prompt"], str):
+            body = {"content": head["prompt"], "add_special": True, "parse_special": True}
+            tokens = len(self._api.post("/tokenize", body)["tokens"])
+        else:
+            tokens = len(head["prompt"])
+        if generation.cancelled.is_set():
+            return Finished("cancelled", Usage(tokens, 0))
+        return Finished("length", Usage(tokens, 0))
+
     def _fit(self, generation: _Generation) -> tuple[Message, ...]:
         """Drop the oldest turns until the prompt plus the answer budget fits one slot.
         Stops at once (returning what it has) when the generation is cancelled: a long
         conversation costs a tokenization per turn dropped."""
         assert self._api is not None
-        request = generation.request
+        request, the_plan = generation.request, generation.plan
+        assert the_plan is not None
         budget = request.sampling.max_output_tokens or self.ctx // DEFAULT_ANSWER_SHARE
         limit = self.ctx - min(budget, self.ctx // 2)
-        api, tools = self._api, tools_body(request)
+        api, tools = self._api, tools_body(request) if the_plan.native_tools else None
 
         def count(kept: Sequence[Message]) -> int:
             if generation.cancelled.is_set():
                 return 0  # "fits": the caller sees the cancel and generates nothing
             return api.count_tokens(kept, tools)
 
-        wanted = request.messages
+        wanted = the_plan.messages
         if request.continuation:
             wanted = (*wanted, Message("assistant", request.continuation))
         messages, dropped = fit_to_context(wanted, count, limit)
@@ -657,10 +798,13 @@ class LlamaCppEngine(Engine):
             )
         return messages
 
-    def _body(self, generation: _Generation, messages: Sequence[Message]) -> dict[str, Any]:
-        sampling = generation.request.sampling
+    def _body(self, generation: _Generation, head: dict[str, Any]) -> dict[str, Any]:
+        """What llama.cpp's handler gets: ``head`` (the messages or the prompt), the
+        structure's grammar and every sampling setting."""
+        sampling, the_plan = generation.request.sampling, generation.plan
+        assert the_plan is not None
         body: dict[str, Any] = {
-            "messages": chat_messages(messages),
+            **head,
             "stream": True,
             "stream_options": {"include_usage": True},
             "id_slot": generation.slot,
@@ -668,9 +812,12 @@ class LlamaCppEngine(Engine):
             "timings_per_token": True,  # a running token count in every chunk
             # A chunk after every prompt batch: during prefill, where a cancel is read.
             "return_progress": True,
-            **tools_body(generation.request),
+            **(tools_body(generation.request) if the_plan.native_tools else {}),
+            **logprobs_body(generation.request),
             **self.sampler.body(),
         }
+        if the_plan.grammar is not None:
+            body["grammar"] = the_plan.grammar
         budget = sampling.max_output_tokens
         if budget is not None:
             budget = max(1, budget - generation.continued)
@@ -684,6 +831,11 @@ class LlamaCppEngine(Engine):
             "presence_penalty": sampling.presence_penalty,
         }
         body.update({key: value for key, value in optional.items() if value is not None})
+        if "prompt" in head and sampling.logprobs is not None:
+            # The completion handler reads its alternatives from an integer ``logprobs``
+            # (``true`` there is one alternative, whatever ``top_logprobs`` says).
+            del body["top_logprobs"]
+            body["logprobs"] = max(1, sampling.logprobs)
         return body
 
     def _on_chunk(self, generation: _Generation, chunk: dict[str, Any]) -> bool:
@@ -692,7 +844,10 @@ class LlamaCppEngine(Engine):
             generation.error = chunk["error"]
             return True
         choices = chunk.get("choices") or ()
-        text = "".join((c.get("delta") or {}).get("content") or "" for c in choices)
+        # A chat chunk's text is its delta's content; a completion chunk's, its text.
+        text = "".join(
+            (c.get("delta") or {}).get("content") or c.get("text") or "" for c in choices
+        )
         calls = [call for c in choices for call in tool_call_deltas(c.get("delta") or {})]
         if generation.cancelled.is_set():
             generation.stopped = True
@@ -719,20 +874,92 @@ class LlamaCppEngine(Engine):
         # become a stop sequence or a tool call): the running decode count says how many.
         decoded = int(generation.timings.get("predicted_n", generation.decoded + 1))
         tokens, generation.decoded = max(1, decoded - generation.decoded), decoded
+        if generation.calls is not None:  # the gateway's tool format: parse the text
+            # (never with log probabilities: check() refuses them beside tools)
+            events = _counted(generation.calls.feed(text), tokens)
+        else:
+            logprobs = None
+            top = generation.request.sampling.logprobs
+            if top is not None and text:
+                logprobs = _chunk_logprobs(choices, top)
+            events = chunk_events(text, calls, tokens, logprobs)
         # The loop is gone: nobody is listening, stop generating.
         rid, put = generation.request.request_id, self.outputs.put_threadsafe
-        return not all(put(rid, e) for e in chunk_events(text, calls, tokens))
+        return not all(put(rid, e) for e in events)
+
+    def _flush_calls(self, generation: _Generation) -> None:
+        """The end of an answer in the gateway's tool format: what the parser held."""
+        parser = generation.calls
+        if parser is None or generation.stopped or generation.error or generation.failure:
+            return
+        rid, put = generation.request.request_id, self.outputs.put_threadsafe
+        for event in parser.finish():
+            put(rid, event)
+        if parser.calls and generation.finish_reason == "stop":
+            generation.finish_reason = "tool_calls"
 
 
-def chunk_events(text: str, calls: list[ToolCallDelta], tokens: int) -> list[Output]:
-    """What one streamed chunk hands on: its text (a plain ``str`` for one token), then
-    its call pieces; the chunk's ``tokens`` are counted once, on the first of them."""
+def _chunk_logprobs(choices: Sequence[dict[str, Any]], top: int) -> tuple[TokenLogprob, ...]:
+    """The log probabilities of a chunk's text, which a request that asked for them must
+    have (raised, not answered without them)."""
+    found: list[TokenLogprob] = []
+    for choice in choices:
+        if (choice.get("delta") or {}).get("content") or choice.get("text"):
+            logprobs = choice_logprobs(choice, top)
+            if logprobs is None:
+                raise LogprobsUnsupportedError("llama.cpp sent text without its log probabilities")
+            found += logprobs
+    return tuple(found)
+
+
+def chunk_events(
+    text: str,
+    calls: list[ToolCallDelta],
+    tokens: int,
+    logprobs: tuple[TokenLogprob, ...] | None = None,
+) -> list[Output]:
+    """What one streamed chunk hands on: its text (a plain ``str`` for one token, unless
+    it comes with ``logprobs``), then its call pieces; the chunk's ``tokens`` are counted
+    once, on the first of them."""
     events: list[Output] = []
     if text:
-        events.append(text if tokens == 1 else TextDelta(text, tokens))
+        if logprobs is not None:
+            events.append(TextDelta(text, tokens, logprobs=logprobs))
+        else:
+            events.append(text if tokens == 1 else TextDelta(text, tokens))
     for call in calls:
         events.append(replace(call, tokens=0 if events else tokens))
     return events
+
+
+def _counted(events: Sequence[StreamEvent], tokens: int) -> list[Output]:
+    """``events`` with the chunk's ``tokens`` counted once, on the first of them."""
+    out: list[Output] = []
+    for event in events:
+        count = 0 if out else tokens
+        if isinstance(event, TextDelta):
+            out.append(event.text if count == 1 else TextDelta(event.text, count))
+        elif isinstance(event, ToolCallDelta):
+            out.append(replace(event, tokens=count))
+    return out
+
+
+def _renders_tools(api: _LoopbackApi) -> bool:
+    """Whether the model's chat template shows a request's tools to the model: the prompt
+    with a tool differs from the one without."""
+    messages = [Message("user", "hi")]
+    probe = {
+        "tools": [
+            {
+                "type": "function",
+                "function": {"name": "probe_tool", "description": "", "parameters": {}},
+            }
+        ]
+    }
+    try:
+        return api.count_tokens(messages, probe) != api.count_tokens(messages)
+    except EngineError:  # a template that refuses tools cannot render them
+        return False
 
 
 def _usage(generation: _Generation) -> Usage:
@@ -753,4 +980,6 @@ def _error_from(error: dict[str, Any]) -> EngineError:
     message = str(error.get("message", error))
     if error.get("type") == "exceed_context_size_error":
         return ContextOverflowError(message)
+    if error.get("type") == "invalid_request_error":
+        return InvalidRequestError("invalid_value", f"llama.cpp: {message}")
     return EngineError("engine_error", f"llama.cpp: {message}")

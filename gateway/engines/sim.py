@@ -13,11 +13,21 @@ batch, as a real engine's iteration is. Fault knobs make it fail or stall on dem
 
 It calls tools by a fixed rule, so that every client can be tested without a
 model (:func:`tool_call_plan`, :func:`tool_output_answer`): a request with tools
-whose last user message names one gets one call of the first tool named, with
-``{"text": <that message>}`` as arguments, streamed a few characters a step;
-``tool_choice`` ``required`` calls the first tool whatever the message says, a
-named function is always called, ``none`` never calls. After a tool's output
-the answer quotes that output verbatim.
+whose last user message names one gets one call of the first tool named, streamed a
+few characters a step; ``tool_choice`` ``required`` calls the first tool whatever the
+message says, a named function is always called, ``none`` never calls. The arguments
+are a valid instance of the tool's parameters whose strings are that message (so a
+tool of one ``text`` parameter gets ``{"text": <that message>}``); a custom tool's input
+is the message, or, under a grammar, a text the grammar accepts. After a tool's output
+the answer quotes that output verbatim. An answer under a response format is a valid
+instance of its schema (gateway/engines/instances.py), its strings the answer's words;
+like every engine's, it is not continued after a takeover (``Engine.continues``), though
+the sim could: tests see what a real engine does.
+
+It reports log probabilities when asked, deterministic ones so that tests can check
+them (:func:`token_logprob`, :func:`prompt_logprobs`): a token's depends on its
+text and its place in the answer alone, so a continued answer's are those the
+first gateway would have sent.
 """
 
 from __future__ import annotations
@@ -33,19 +43,27 @@ import re
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TypeAlias
 
+from gateway.engines import instances
 from gateway.engines.base import (
+    Constraint,
+    ContextOverflowError,
     Engine,
     EngineError,
     Finished,
     FinishReason,
     GenerationRequest,
     Message,
+    PromptLogprobs,
     PromptTokens,
     StepOutput,
+    TextDelta,
+    TokenLogprob,
     Tool,
     ToolCallDelta,
     Usage,
+    check_token_ids,
     fit_to_context,
 )
 
@@ -87,6 +105,8 @@ _WORDS = (
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
 _MESSAGE_OVERHEAD = 4  # like a chat template's role markers
 _MAX_CATCH_UP = 50  # missed steps run back to back after the event loop was away
+VOCAB_SIZE = 50_000  # a raw prompt's token ids: each stands for one of the words above
+FILL_MARK = "<|fill|>"  # between a prompt and its suffix: the answer fills the middle
 ARGUMENT_PIECE_CHARS = 8  # a call's arguments stream this many characters a step
 TOOL_ANSWER_PREFIX = "The tool returned: "
 
@@ -114,6 +134,25 @@ def render(messages: Sequence[Message]) -> str:
     return "".join(f"<|{m.role}|>{_content(m)}<|end|>" for m in messages) + "<|assistant|>"
 
 
+def decode_ids(ids: Sequence[int]) -> str:
+    """The text of a raw prompt's token ids: the sim's vocabulary is its words, in turn."""
+    return " ".join(_WORDS[i % len(_WORDS)] for i in ids)
+
+
+def raw_prompt(request: GenerationRequest) -> tuple[str, int]:
+    """A raw prompt's text as the sim answers it (the suffix after a fill mark) and its
+    tokens (words and symbols of text, or the ids themselves)."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        text, tokens = prompt, _text_tokens(prompt)
+    else:
+        assert prompt is not None
+        text, tokens = decode_ids(prompt), len(prompt)
+    if request.suffix is not None:
+        text += FILL_MARK + request.suffix
+    return text, tokens
+
+
 def answer_tokens(prompt: str, length: int) -> list[str]:
     """The deterministic answer to ``prompt``: ``length`` tokens, a word and its space each."""
     rng = random.Random(hashlib.sha256(prompt.encode()).digest())
@@ -123,6 +162,43 @@ def answer_tokens(prompt: str, length: int) -> list[str]:
         tokens[0] = tokens[0].capitalize()
         tokens[-1] += "."
     return tokens
+
+
+_PROMPT_TOKEN_RE = re.compile(r"<\|\w+\|>|\s*\w+|\s*[^\w\s]|\s+")
+
+
+_LEADING = {lead: tuple(lead + word for word in _WORDS) for lead in ("", " ")}
+
+
+def token_logprob(token: str, position: int, top: int) -> TokenLogprob:
+    """The sim's log probability of ``token`` at ``position`` (from 0) of an answer, with
+    ``top`` alternatives: the token itself first, then other words (from the word list,
+    at a place that moves with ``position``), each less likely than the one before."""
+    logprob = -0.05 - 0.125 * (position % 8)
+    raw = token.encode()
+    if not top:
+        return TokenLogprob(token, logprob, raw)
+    words = _LEADING[" " if token.startswith(" ") else ""]
+    alternatives = [TokenLogprob(token, logprob, raw)]
+    at = position
+    while len(alternatives) < top:
+        text = words[at % len(words)]
+        at += 1
+        if text != token:
+            value = logprob - 0.75 * len(alternatives)
+            alternatives.append(TokenLogprob(text, value, text.encode()))
+    return TokenLogprob(token, logprob, raw, tuple(alternatives))
+
+
+def prompt_logprobs(prompt: str, top: int) -> PromptLogprobs:
+    """The rendered ``prompt``'s tokens (the pieces it splits into, joined: the prompt)
+    with the sim's log probabilities: its first token has none, the others
+    :func:`token_logprob`'s, by their place in the prompt."""
+    pieces = _PROMPT_TOKEN_RE.findall(prompt)
+    return PromptLogprobs(
+        pieces[0] if pieces else "",
+        tuple(token_logprob(p, i, top) for i, p in enumerate(pieces[1:], 1)),
+    )
 
 
 def tool_call_plan(request: GenerationRequest) -> tuple[ToolCallDelta, ...]:
@@ -147,7 +223,7 @@ def tool_call_plan(request: GenerationRequest) -> tuple[ToolCallDelta, ...]:
         tool = next((t for t in request.tools if t.name in user_text), None)
     if tool is None:
         return ()
-    arguments = json.dumps({"text": user_text}, ensure_ascii=False)
+    arguments = tool_arguments(tool, user_text)
     digest = hashlib.sha256(f"{request.request_id}/{tool.name}".encode()).hexdigest()
     pieces = [
         arguments[i : i + ARGUMENT_PIECE_CHARS]
@@ -155,6 +231,29 @@ def tool_call_plan(request: GenerationRequest) -> tuple[ToolCallDelta, ...]:
     ]
     first = ToolCallDelta(0, pieces[0], call_id=f"call_{digest[:16]}", name=tool.name)
     return (first, *(ToolCallDelta(0, piece) for piece in pieces[1:]))
+
+
+def tool_arguments(tool: Tool, user_text: str) -> str:
+    """The arguments the sim gives ``tool``: see the module docstring."""
+    if tool.freeform:
+        text = user_text
+        if tool.grammar is not None:
+            text = instances.text_instance(tool.grammar, seed=user_text)
+        return json.dumps({"input": text}, ensure_ascii=False)
+    schema = json.dumps(dict(tool.parameters), sort_keys=True)
+    return instances.json_text(schema, (user_text,))
+
+
+def formatted_answer(constraint: Constraint, prompt: str) -> list[str]:
+    """An answer under a response format, in pieces of a few characters (its tokens)."""
+    words = "".join(answer_tokens(prompt, 12)).rstrip(".").split()
+    phrases = tuple(" ".join(words[i : i + 3]) for i in range(0, len(words), 3))
+    definition = constraint.definition if constraint.kind == "json_schema" else _ANY_OBJECT
+    text = instances.json_text(definition, phrases)
+    return [text[i : i + ARGUMENT_PIECE_CHARS] for i in range(0, len(text), ARGUMENT_PIECE_CHARS)]
+
+
+_ANY_OBJECT = '{"type": "object", "properties": {"answer": {"type": "string"}}}'
 
 
 def tool_output_answer(messages: Sequence[Message]) -> list[str] | None:
@@ -180,14 +279,19 @@ def _cut_at_stop(tokens: list[str], stop: Sequence[str]) -> list[str]:
     return out
 
 
+_Plan: TypeAlias = tuple[list[str | ToolCallDelta], FinishReason, int, str]
+"""An answer's tokens, how it ends, and its prompt's tokens and text."""
+
+
 @dataclass(eq=False, slots=True)
 class _Stream:
     request_id: str
-    tokens: deque[str | ToolCallDelta]
+    tokens: deque[str | TextDelta | ToolCallDelta]  # TextDelta: a token with its logprob
     finish: FinishReason
     usage_in: int
     generated: int = 0  # the whole answer's: a continuation starts at what was sent
     aborted: bool = False  # abort() asked: confirmed and dropped at the next step
+    prompt_logprobs: PromptLogprobs | None = None  # reported with the prompt's tokens
 
 
 def _after(tokens: list[str | ToolCallDelta], sent: str) -> list[str | ToolCallDelta]:
@@ -204,6 +308,9 @@ def _after(tokens: list[str | ToolCallDelta], sent: str) -> list[str | ToolCallD
 class SimEngine(Engine):
     name = "sim"
     can_continue = True
+    can_fill_in_middle = True
+    reports_logprobs = True
+    reports_prompt_logprobs = True
 
     def __init__(
         self,
@@ -259,6 +366,15 @@ class SimEngine(Engine):
     def context_window(self) -> int | None:
         return self.context_tokens
 
+    def check_structure(self, request: GenerationRequest) -> None:
+        """The sim constrains anything it can make an instance of (its answers are built
+        valid): a schema or grammar it cannot satisfy is refused here."""
+        if request.constraint is not None:
+            formatted_answer(request.constraint, "")
+        if request.enforces_tools:
+            for tool in request.tools:
+                tool_arguments(tool, "")
+
     def submit(self, request: GenerationRequest) -> None:
         try:
             stream = self._open(request)
@@ -268,26 +384,20 @@ class SimEngine(Engine):
         self._streams[request.request_id] = stream
         self._wake.set()
 
+    def check(self, request: GenerationRequest) -> None:
+        if request.prompt is not None and not isinstance(request.prompt, str):
+            check_token_ids(request.prompt, VOCAB_SIZE)
+        super().check(request)
+
     def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.aborted = True
 
     def _open(self, request: GenerationRequest) -> _Stream:
-        messages: Sequence[Message] = request.messages
         budget = request.sampling.max_output_tokens
-        if self.context_tokens is not None:
-            answer_room = min(budget or self.response_tokens, self.context_tokens // 2)
-            messages, _ = fit_to_context(messages, count_tokens, self.context_tokens - answer_room)
-        finish: FinishReason = "stop"
-        tokens: list[str | ToolCallDelta]
-        if calls := tool_call_plan(replace(request, messages=tuple(messages))):
-            tokens, finish = list(calls), "tool_calls"
-        else:
-            text = tool_output_answer(messages) or answer_tokens(
-                render(messages), self.response_tokens
-            )
-            tokens = list(_cut_at_stop(text, request.sampling.stop))
+        plan = self._plan_raw if request.prompt is not None else self._plan_chat
+        tokens, finish, prompt_tokens, prompt = plan(request)
         sent = 0  # tokens of the answer a stopped gateway already sent (a continuation)
         if request.continuation and finish != "tool_calls":
             rest = _after(tokens, request.continuation)
@@ -296,7 +406,58 @@ class SimEngine(Engine):
         # The budget and the usage are the whole answer's, what was sent before included.
         if budget is not None and sent + len(tokens) > budget:
             tokens, finish = tokens[: max(0, budget - sent)], "length"
-        return _Stream(request.request_id, deque(tokens), finish, count_tokens(messages), sent)
+        top = request.sampling.logprobs
+        outputs: Sequence[str | TextDelta | ToolCallDelta] = tokens
+        if top is not None:  # made now, so that a step costs what it did without them
+            outputs = [
+                TextDelta(t, logprobs=(token_logprob(t, sent + i, top),))
+                if isinstance(t, str)
+                else t
+                for i, t in enumerate(tokens)
+            ]
+        stream = _Stream(request.request_id, deque(outputs), finish, prompt_tokens, sent)
+        if request.sampling.prompt_logprobs is not None:
+            stream.prompt_logprobs = prompt_logprobs(prompt, request.sampling.prompt_logprobs)
+        return stream
+
+    def _plan_chat(self, request: GenerationRequest) -> _Plan:
+        """A conversation's answer: its tokens, how it ends, the prompt's tokens and text."""
+        messages: Sequence[Message] = request.messages
+        budget = request.sampling.max_output_tokens
+        if self.context_tokens is not None:
+            answer_room = min(budget or self.response_tokens, self.context_tokens // 2)
+            messages, _ = fit_to_context(messages, count_tokens, self.context_tokens - answer_room)
+        prompt, prompt_tokens = render(messages), count_tokens(messages)
+        if calls := tool_call_plan(replace(request, messages=tuple(messages))):
+            return list(calls), "tool_calls", prompt_tokens, prompt
+        if request.constraint is not None:
+            answer = formatted_answer(request.constraint, prompt)
+            return list(answer), "stop", prompt_tokens, prompt
+        text = tool_output_answer(messages) or answer_tokens(prompt, self.response_tokens)
+        return list(_cut_at_stop(text, request.sampling.stop)), "stop", prompt_tokens, prompt
+
+    def _plan_raw(self, request: GenerationRequest) -> _Plan:
+        """A raw prompt's answer, as a language model continues text: nothing is dropped
+        to fit, and what cannot fit is refused."""
+        text, prompt_tokens = raw_prompt(request)
+        # The text goes on after the prompt: its first word too is spaced from it.
+        answer = [
+            " " + token if i == 0 else token
+            for i, token in enumerate(answer_tokens(text, self.response_tokens))
+        ]
+        words: list[str | ToolCallDelta] = list(_cut_at_stop(answer, request.sampling.stop))
+        finish: FinishReason = "stop"
+        if self.context_tokens is not None:
+            room = self.context_tokens - prompt_tokens
+            if room < 1:
+                raise ContextOverflowError(
+                    f"the prompt has {prompt_tokens} tokens; the context window holds "
+                    f"{self.context_tokens}, the answer included"
+                )
+            if len(words) > room:
+                words, finish = words[:room], "length"
+        prompt = text if request.suffix is None else text.split(FILL_MARK)[0]
+        return words, finish, prompt_tokens, prompt
 
     async def _step_loop(self) -> None:
         # Steps fall due on a fixed clock, as on a GPU that computes whatever the
@@ -346,6 +507,9 @@ class SimEngine(Engine):
             return True
         if self.stall_after is not None and stream.generated >= self.stall_after:
             return False
+        if stream.prompt_logprobs is not None:  # once, before the first token (if any)
+            out.append((rid, stream.prompt_logprobs))
+            stream.prompt_logprobs = None
         if stream.tokens:
             if not stream.generated:
                 out.append((rid, PromptTokens(stream.usage_in)))

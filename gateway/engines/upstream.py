@@ -2,11 +2,17 @@
 
 The gateway keeps what those servers lack (WebSocket sessions, server-side
 conversations, an explicit cancel) and leaves batching, KV caches and GPUs to
-them. Each generation is one streaming ``POST /v1/chat/completions`` on the
-replica the :class:`Router` picks; its SSE chunks become :class:`TextDelta`
-(and :class:`ToolCallDelta` for the ``tool_calls`` of a request with tools, which
-are forwarded as ``tools``/``tool_choice``) and its finish reason and usage one
-:class:`Finished`.
+them. Each generation is one streaming ``POST /v1/chat/completions`` (a raw
+prompt's: ``POST /v1/completions``) on the replica the :class:`Router` picks;
+its SSE chunks become :class:`TextDelta` (and :class:`ToolCallDelta` for the
+``tool_calls`` of a request with tools, which are forwarded as
+``tools``/``tool_choice``) and its finish reason and usage one :class:`Finished`.
+A request that asks for log probabilities sends ``logprobs`` and ``top_logprobs`` on
+(a raw prompt's, ``logprobs: N``) and takes the replica's back with each delta (in the
+chat shape, or the legacy completion shape vLLM answers ``/v1/completions`` in); a
+replica that sends text without them fails the request with a 400 that says so (never
+an answer with an empty list). Prompt log probabilities are refused: a streamed
+completion carries none (vLLM refuses ``prompt_logprobs`` with ``stream``).
 
 Cancelling closes the HTTP response before its body is read to the end, which
 closes that connection: every one of these servers aborts a generation whose
@@ -40,6 +46,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from gateway.engines import answer_check
 from gateway.engines.base import (
     ContextOverflowError,
     EngineError,
@@ -47,14 +54,25 @@ from gateway.engines.base import (
     Finished,
     FinishReason,
     GenerationRequest,
+    InvalidRequestError,
+    LogprobsUnsupportedError,
     Message,
+    Moved,
     StreamEvent,
     StreamingEngine,
     TextDelta,
+    TokenLogprob,
     Usage,
     chat_messages,
+    clamp_logprob,
 )
-from gateway.engines.openai_chat import tool_call_deltas, tools_body
+from gateway.engines.openai_chat import (
+    choice_logprobs,
+    logprobs_body,
+    response_format_body,
+    tool_call_deltas,
+    tools_body,
+)
 
 if TYPE_CHECKING:
     import httpx
@@ -68,7 +86,12 @@ MAX_BACKOFF = 30.0
 PROBE_TIMEOUT = 2.0
 CONNECT_TIMEOUT = 5.0
 AFFINITY_ENTRIES = 100_000  # conversations never say they ended: keep the most recent
-COMPLETIONS_PATH = "/v1/chat/completions"
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"  # a raw prompt's (GenerationRequest.prompt)
+EMBEDDINGS_PATH = "/v1/embeddings"
+# What a replica that serves no embeddings answers: 404 (vLLM, SGLang without an
+# embedding model), 501 (llama.cpp's server without --embeddings).
+NO_EMBEDDINGS = (404, 405, 501)
 TOKENIZE_PATH = "/tokenize"  # llama.cpp's server and vLLM's
 CHARS_PER_TOKEN = 4  # a taken-over answer's tokens, estimated where a replica cannot count
 
@@ -149,6 +172,7 @@ class _ReplicaFailed(Exception):
 
 class UpstreamEngine(StreamingEngine):
     name = "upstream"
+    reports_logprobs = True  # as the replicas do: one that sends none fails the request
 
     def __init__(
         self,
@@ -321,12 +345,40 @@ class UpstreamEngine(StreamingEngine):
 
     # -- generation --------------------------------------------------------------
 
+    def check(self, request: GenerationRequest) -> None:
+        if request.sampling.prompt_logprobs is not None:
+            raise LogprobsUnsupportedError(
+                "The upstream pool streams its completions, which carry no log "
+                "probabilities for the prompt's own tokens."
+            )
+        if request.sampling.max_output_tokens == 0:
+            # llama.cpp's server would still make a token, and vLLM refuses it.
+            raise InvalidRequestError(
+                "unsupported_value",
+                "The upstream pool generates at least one token: 'max_tokens' must be 1 or more.",
+            )
+        super().check(request)
+
     @property
     def can_continue(self) -> bool:  # type: ignore[override]
         """Whether a takeover's continuation can go to some replica of the pool."""
         return any(r.continuation != "none" for r in self.replicas)
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
+    def check_structure(self, request: GenerationRequest) -> None:
+        """Structure is passed on to the replica (and its answer checked at its end: see
+        gateway/engines/answer_check.py); only a grammar for the whole answer has no
+        field of the Chat Completions API to go in."""
+        if request.constraint is not None and request.constraint.kind in ("lark", "regex"):
+            raise InvalidRequestError(
+                "structured_output_unsupported",
+                "an upstream server takes JSON response formats only",
+            )
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
+        answer = self._answer(request)
+        return answer_check.checked(request, answer) if request.asks_structure else answer
+
+    async def _answer(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
         """One answer on the pool: retried on another replica when one fails before its
         first token; after it, continued on another replica that can continue a final
         assistant message (the text so far as its prefix, at most ``max_moves`` times),
@@ -383,7 +435,7 @@ class UpstreamEngine(StreamingEngine):
                 earlier_tokens += tokens
                 if sent_text:
                     movable = moves < self.max_moves and any(
-                        r.healthy and r.continuation != "none" and r not in tried
+                        r.healthy and self._continues(r, request) and r not in tried
                         for r in self.replicas
                     )
                     if not movable:
@@ -397,8 +449,7 @@ class UpstreamEngine(StreamingEngine):
                         ) from exc
                     moves += 1
                     self.moves += 1
-                    if self.on_moved is not None:
-                        self.on_moved()
+                    yield Moved()
                     log.warning(
                         "upstream %s failed mid-answer (%s): continuing on another replica",
                         replica.url,
@@ -451,8 +502,49 @@ class UpstreamEngine(StreamingEngine):
         """The next replica; one that can continue when there is text to continue."""
         if not prefix:
             return self.router.choose(request.affinity_key, tried)
-        cannot = [r for r in self.replicas if r.continuation == "none"]
+        cannot = [r for r in self.replicas if not self._continues(r, request)]
         return self.router.choose(request.affinity_key, [*tried, *cannot])
+
+    @staticmethod
+    def _continues(replica: Replica, request: GenerationRequest) -> bool:
+        """Whether ``replica`` can go on with ``request``'s answer so far: none for an
+        answer under a constraint (see Engine.continues), any replica for a text prompt (the
+        prompt and the text so far are one longer prompt), none for token ids, and for a
+        conversation one that continues a final assistant message."""
+        if request.asks_structure:
+            return False
+        if request.prompt is not None:
+            return isinstance(request.prompt, str)
+        return replica.continuation != "none"
+
+    async def embeddings(self, body: bytes) -> tuple[int, bytes] | None:
+        """The body to the least loaded healthy replica's ``/v1/embeddings``, and its answer
+        as it came; the next replica when one cannot be reached. None when the replica
+        serves no embeddings."""
+        import httpx
+
+        self._check_ready()
+        tried: list[Replica] = []
+        while (replica := self.router.choose(None, tried)) is not None:
+            tried.append(replica)
+            assert replica.client is not None
+            headers = {"Content-Type": "application/json"}
+            replica.outstanding += 1
+            try:
+                post = replica.client.build_request(
+                    "POST", EMBEDDINGS_PATH, content=body, headers=headers
+                )
+                response = await _send(replica.client, post, stream=False)
+            except httpx.HTTPError as exc:
+                self._mark_down(replica, _describe_error(exc))
+                continue
+            finally:
+                replica.outstanding -= 1
+            if response.status_code in NO_EMBEDDINGS:
+                return None
+            return response.status_code, response.content
+        detail = f"{len(tried)} tried, all failed" if tried else "none is healthy"
+        raise EngineError("upstream_unavailable", f"no upstream server could answer ({detail})")
 
     def _check_ready(self, cause: Exception | None = None) -> None:
         """Before the first attempt and each retry: not started, or close() began."""
@@ -473,11 +565,12 @@ class UpstreamEngine(StreamingEngine):
                 "engine_not_ready", "the upstream engine is not running (not started, or closing)"
             )
         headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        headers.update(request.trace_context)  # the gateway's span is the parent upstream
         if self.affinity_header is not None and request.affinity_key is not None:
             headers[self.affinity_header] = affinity_id(request.affinity_key)
         post = client.build_request(
             "POST",
-            COMPLETIONS_PATH,
+            CHAT_PATH if request.prompt is None else COMPLETIONS_PATH,
             content=orjson.dumps(self._body(replica, request, earlier_tokens)),
             headers=headers,
         )
@@ -486,7 +579,7 @@ class UpstreamEngine(StreamingEngine):
             try:
                 if response.status_code != 200:
                     raise _status_error(response.status_code, await response.aread())
-                async for event in _events(response):
+                async for event in _events(response, request.sampling.logprobs):
                     yield event
             finally:
                 await response.aclose()  # pools the connection only if the body was read to its end
@@ -497,16 +590,21 @@ class UpstreamEngine(StreamingEngine):
         self, replica: Replica, request: GenerationRequest, earlier_tokens: int = 0
     ) -> dict[str, Any]:
         s = request.sampling
-        messages = request.messages
-        if request.continuation:  # the answer so far, as an open final assistant message
-            messages = (*messages, Message("assistant", request.continuation))
         body: dict[str, Any] = {
-            "messages": chat_messages(messages),
+            **self._prompt(request),
             "stream": True,
             "stream_options": {"include_usage": True},
             **tools_body(request),
+            **response_format_body(request.constraint),
+            **logprobs_body(request),
         }
-        if request.continuation and replica.continuation == "continue_final_message":
+        if request.tools and not request.parallel_tool_calls:
+            body["parallel_tool_calls"] = False
+        if (
+            request.prompt is None
+            and request.continuation
+            and replica.continuation == "continue_final_message"
+        ):
             body["continue_final_message"] = True
             body["add_generation_prompt"] = False
         model = self.model or replica.model
@@ -524,7 +622,26 @@ class UpstreamEngine(StreamingEngine):
             "presence_penalty": s.presence_penalty,
         }
         body.update({k: v for k, v in optional.items() if v is not None})
+        if request.prompt is not None and s.logprobs is not None:
+            # /v1/completions takes its alternatives as an integer ``logprobs``.
+            del body["top_logprobs"]
+            body["logprobs"] = max(1, s.logprobs)
         return body
+
+    @staticmethod
+    def _prompt(request: GenerationRequest) -> dict[str, Any]:
+        """The body's prompt: a conversation's messages (the answer so far as an open final
+        assistant message), or a raw prompt for ``/v1/completions`` (text or token ids, the
+        text so far after it)."""
+        prompt = request.prompt
+        if prompt is None:
+            messages = request.messages
+            if request.continuation:
+                messages = (*messages, Message("assistant", request.continuation))
+            return {"messages": chat_messages(messages)}
+        if isinstance(prompt, str):
+            return {"prompt": prompt + request.continuation}
+        return {"prompt": list(prompt)}  # stream() never continues token ids elsewhere
 
 
 # -- the wire format ---------------------------------------------------------------
@@ -558,8 +675,12 @@ async def _get(client: httpx.AsyncClient, path: str) -> httpx.Response:
     )
 
 
-async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
-    """Server-sent ``chat.completion.chunk`` events -> deltas, then one Finished.
+async def _events(
+    response: httpx.Response, logprobs: int | None = None
+) -> AsyncIterator[StreamEvent]:
+    """Server-sent ``chat.completion.chunk`` (or ``text_completion``) events -> deltas,
+    then one Finished. ``logprobs``: the request's (each delta then carries its text's,
+    from the chunk).
 
     The Finished comes only after the body is read to its very end: ``[DONE]``
     is followed by the chunked terminator, and a response left before that is
@@ -588,8 +709,12 @@ async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
         usage = _usage(chunk.get("usage")) or usage
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
-            text = delta.get("content")
-            if text:
+            # A chat chunk's text is its delta's content; a completion chunk's, its text.
+            text = delta.get("content") or choice.get("text")
+            if text and logprobs is not None:
+                deltas += 1
+                yield TextDelta(text, logprobs=_text_logprobs(choice, logprobs))
+            elif text:
                 deltas += 1
                 yield TextDelta(text)
             for call in tool_call_deltas(delta):
@@ -600,6 +725,42 @@ async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
     if reason is None:
         raise _ReplicaFailed("the stream ended without a finish reason")
     yield Finished(reason, usage or Usage(0, deltas))
+
+
+def _text_logprobs(choice: dict[str, Any], top: int) -> tuple[TokenLogprob, ...]:
+    """The log probabilities that come with a choice's text; a replica that sends none
+    cannot report them (a 400: the client asked for what this pool cannot give)."""
+    logprobs = choice_logprobs(choice, top) or legacy_logprobs(choice.get("logprobs"), top)
+    if logprobs is None:
+        raise LogprobsUnsupportedError(
+            "The upstream server returned no log probabilities with its text: it cannot "
+            "report them; ask without logprobs."
+        )
+    return logprobs
+
+
+def legacy_logprobs(raw: object, top: int) -> tuple[TokenLogprob, ...] | None:
+    """A completion choice's log probabilities in the legacy shape (``tokens``,
+    ``token_logprobs``, ``top_logprobs`` as ``{token: logprob}``), as vLLM sends them;
+    None when ``raw`` is not that shape."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("tokens"), list):
+        return None
+    values, tops = raw.get("token_logprobs") or [], raw.get("top_logprobs") or []
+    out = []
+    for i, token in enumerate(raw["tokens"]):
+        value = values[i] if i < len(values) and isinstance(values[i], int | float) else None
+        logprob = clamp_logprob(float(value) if value is not None else float("-inf"))
+        alternatives = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+        ranked = sorted(alternatives.items(), key=lambda kv: -float(kv[1]))[:top] if top else []
+        out.append(
+            TokenLogprob(
+                str(token),
+                logprob,
+                str(token).encode(),
+                tuple(TokenLogprob(t, clamp_logprob(float(v)), t.encode()) for t, v in ranked),
+            )
+        )
+    return tuple(out)
 
 
 FINISH_REASONS: dict[str, FinishReason] = {
@@ -680,6 +841,10 @@ def _status_error(status: int, body: bytes) -> Exception:
         return _ReplicaFailed(f"HTTP {status}: {message}", down=False)
     if status >= 500:  # 502/503/504: the replica (or what is in front of it) is down
         return _ReplicaFailed(f"HTTP {status}: {message}")
+    if status == 400 and "logprob" in message.lower():
+        return LogprobsUnsupportedError(
+            f"The upstream server cannot report these log probabilities: {message}"
+        )
     if status in (401, 403):
         return EngineError(
             "upstream_auth",
@@ -738,7 +903,10 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         action="append",
         default=[],
         metavar="URL",
-        help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8001 (repeatable)",
+        help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8001 (repeatable);"
+        " response_format, tool_choice, strict tools and parallel_tool_calls are passed on, and"
+        " an answer that does not hold to them (a replica that does not constrain its output)"
+        " fails with upstream_unconstrained",
     )
     group.add_argument(
         "--upstream-model",

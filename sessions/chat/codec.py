@@ -11,24 +11,33 @@ the ``chat.completion`` and ``chat.completion.chunk`` objects.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
-from gateway.engines.base import TOOL_CHOICE_MODES, Message, Tool, ToolCall, ToolChoice, Usage
+from gateway.engines.base import (
+    MAX_TOP_LOGPROBS,
+    TOOL_CHOICE_MODES,
+    Constraint,
+    Message,
+    TokenLogprob,
+    Tool,
+    ToolCall,
+    ToolChoice,
+)
+from sessions import formats
 from sessions.codec import (
     JSON,
     MAX_ID_CHARS,
     MAX_TOOLS,
-    PENALTY_RANGE,
     PROMPT_CACHE_KEY,
     TOOL_NAME,
     UNSET,
     Reader,
     Unset,
     function_tool,
+    json_body,
+    read_completion_fields,
     read_metadata,
 )
 from sessions.errors import ProtocolError
@@ -51,6 +60,7 @@ SERVED = frozenset(
         "presence_penalty",
         "tools",
         "tool_choice",
+        "parallel_tool_calls",
         "n",
         "response_format",
         "logprobs",
@@ -64,7 +74,6 @@ IGNORED: dict[str, str] = {
     "user": "an end-user id for abuse monitoring; this gateway keys nothing on it",
     "safety_identifier": "the same, under its newer name",
     "store": "stored completions are OpenAI's dashboard feature; nothing is kept here",
-    "parallel_tool_calls": "how many calls an answer holds is the model's choice",
     "service_tier": "one engine serves every request the same way",
     "reasoning_effort": "the engines here do not reason before answering",
     "verbosity": "the model's length is asked for with max_completion_tokens",
@@ -109,8 +118,13 @@ class ChatBody:
     presence_penalty: float | Unset | None = UNSET
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
+    constraint: Constraint | None = None  # from response_format
     metadata: dict[str, str] | None = None
     affinity_key: str | None = None
+    n: int = 1  # choices, each its own answer
+    # ``logprobs: true``: its ``top_logprobs`` (0 when unset); None: no log probabilities.
+    logprobs: int | None = None
 
     @property
     def has_system(self) -> bool:
@@ -131,89 +145,73 @@ def _unsupported(r: Reader, key: str, message: str) -> ProtocolError:
 
 def decode(frame: str | bytes) -> ChatCreate:
     """A request body (JSON) as the session's command. Raises :class:`ProtocolError`."""
-    try:
-        obj = orjson.loads(frame)
-    except orjson.JSONDecodeError as exc:
-        raise ProtocolError("invalid_json", f"The body is not valid JSON: {exc}.") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError("invalid_value", "The body must be a JSON object.")
-    return ChatCreate(read_body(obj))
+    return ChatCreate(read_body(json_body(frame)))
 
 
 def read_body(obj: Mapping[str, Any]) -> ChatBody:
     r = Reader(obj, "", None)
     r.only(_FIELDS)
     _refuse_what_is_not_served(r)
-    fields: dict[str, Any] = {}
     r.required("messages")
-    fields["messages"] = _messages(r)
-    if obj.get("model") is not None:
-        fields["model"] = r.string("model", max_chars=256)
-    if obj.get("stream") is not None:
-        fields["stream"] = _boolean(r, "stream")
-    if obj.get("stream_options") is not None:
-        options = r.child("stream_options")
-        options.only(frozenset({"include_usage", "include_obfuscation"}))
-        if options.obj.get("include_usage") is not None:
-            fields["include_usage"] = _boolean(options, "include_usage")
-        if options.obj.get("include_obfuscation") is not None:
-            _boolean(options, "include_obfuscation")  # no obfuscation: nothing to pad
+    fields: dict[str, Any] = {"messages": _messages(r), **read_completion_fields(r)}
     for key in ("max_completion_tokens", "max_tokens"):  # the newer name wins
         if obj.get(key) is not None and "max_output_tokens" not in fields:
             fields["max_output_tokens"] = r.integer(key, 1, 1_000_000)
-    if r.has("temperature"):
-        fields["temperature"] = r.number("temperature", 0.0, 2.0)
-    if r.has("top_p"):
-        fields["top_p"] = r.number("top_p", 0.0, 1.0)
-    for penalty in ("frequency_penalty", "presence_penalty"):
-        if r.has(penalty):
-            fields[penalty] = r.number(penalty, *PENALTY_RANGE)
-    if r.has("seed"):
-        fields["seed"] = r.integer("seed", 0, 2**64 - 1)
-    if r.has("stop"):
-        fields["stop"] = r.stop("stop")
     if obj.get("tools") is not None:
         fields["tools"] = _tools(r)
     if obj.get("tool_choice") is not None:
         fields["tool_choice"] = _tool_choice(r, fields.get("tools", ()))
+    if obj.get("parallel_tool_calls") is not None:
+        fields["parallel_tool_calls"] = r.boolean("parallel_tool_calls")
+    if obj.get("response_format") is not None:
+        fmt = formats.read_format(r.child("response_format"), nested=True)
+        fields["constraint"] = formats.constraint(fmt) if fmt is not None else None
     if r.has("metadata"):
         fields["metadata"] = read_metadata(r)
     if obj.get("prompt_cache_key") is not None:
         fields["affinity_key"] = PROMPT_CACHE_KEY + r.string("prompt_cache_key", max_chars=256)
+    fields["logprobs"] = read_logprobs(r)
     for key in IGNORED:
         if obj.get(key) is not None and key in ("user", "safety_identifier"):
             r.string(key, max_chars=256)
     return ChatBody(**fields)
 
 
-def _boolean(r: Reader, key: str) -> bool:
-    value = r.obj[key]
-    if not isinstance(value, bool):
-        raise r.fail(key, f"'{r.param(key)}' must be a boolean.", "invalid_type")
-    return value
+def read_logprobs(r: Reader) -> int | None:
+    """``logprobs`` (a boolean) and ``top_logprobs`` (0-20, only with ``logprobs: true``,
+    as OpenAI has it): how many alternatives each token comes with, or None for none."""
+    asked = bool(r.optional_boolean("logprobs"))
+    top = r.obj.get("top_logprobs")
+    if top is None:
+        return 0 if asked else None
+    if isinstance(top, bool) or not isinstance(top, int):
+        raise r.fail("top_logprobs", "'top_logprobs' must be an integer.", "invalid_type")
+    if top < 0:
+        raise r.fail(
+            "top_logprobs",
+            "Invalid 'top_logprobs': integer below minimum value. Expected a value >= 0, "
+            f"but got {top} instead.",
+            "integer_below_min_value",
+        )
+    if top > MAX_TOP_LOGPROBS:
+        raise r.fail(
+            "top_logprobs",
+            "Invalid 'top_logprobs': integer above maximum value. Expected a value <= "
+            f"{MAX_TOP_LOGPROBS}, but got {top} instead.",
+            "integer_above_max_value",
+        )
+    if not asked:
+        if top == 0:
+            return None  # asks for nothing
+        raise r.fail(
+            "top_logprobs",
+            "The 'top_logprobs' parameter is only allowed when 'logprobs' is enabled.",
+        )
+    return top
 
 
 def _refuse_what_is_not_served(r: Reader) -> None:
     obj = r.obj
-    n = obj.get("n")
-    if n is not None:
-        r.integer("n", 1, 128)
-        if n != 1:
-            raise _unsupported(r, "n", "This gateway makes one choice per request: 'n' must be 1.")
-    fmt = obj.get("response_format")
-    if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if kind != "text":
-            raise _unsupported(
-                r,
-                "response_format",
-                'Only \'response_format\' {"type": "text"} is served: the engines here do '
-                "not constrain their output to JSON.",
-            )
-    if obj.get("logprobs"):
-        raise _unsupported(r, "logprobs", "The engines here do not report log probabilities.")
-    if obj.get("top_logprobs"):
-        raise _unsupported(r, "top_logprobs", "The engines here do not report log probabilities.")
     for key, message in REFUSED.items():
         value = obj.get(key)
         if key == "modalities" and value in (["text"], None):
@@ -352,30 +350,33 @@ def _tool_choice(r: Reader, tools: tuple[Tool, ...]) -> ToolChoice:
 # -- what the gateway sends -------------------------------------------------------------
 
 
-def usage_json(usage: Usage) -> JSON:
-    return {
-        "prompt_tokens": usage.input_tokens,
-        "completion_tokens": usage.output_tokens,
-        "total_tokens": usage.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+def chunk_json(
+    head: JSON,
+    delta: JSON,
+    finish_reason: str | None = None,
+    logprobs: Sequence[TokenLogprob] | None = None,
+    index: int = 0,
+) -> JSON:
+    choice = {
+        "index": index,
+        "delta": delta,
+        "logprobs": None if logprobs is None else logprobs_json(logprobs),
+        "finish_reason": finish_reason,
     }
+    return {**head, "choices": [choice]}
 
 
-def chunk_json(head: JSON, delta: JSON, finish_reason: str | None = None) -> JSON:
+def logprobs_json(logprobs: Sequence[TokenLogprob]) -> JSON:
+    """A choice's ``logprobs`` (a chunk's, or the whole message's)."""
+    return {"content": [token_logprob_json(lp) for lp in logprobs], "refusal": None}
+
+
+def token_logprob_json(lp: TokenLogprob) -> JSON:
     return {
-        **head,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-    }
-
-
-def error_json(err: ProtocolError) -> JSON:
-    """The error object of a response (and of a stream's last ``data:``, which the SDK
-    raises as an ``APIError``)."""
-    return {
-        "error": {
-            "message": err.message,
-            "type": err.error_type,
-            "param": err.param,
-            "code": err.code,
-        }
+        "token": lp.token,
+        "logprob": lp.logprob,
+        "bytes": list(lp.bytes),
+        "top_logprobs": [
+            {"token": top.token, "logprob": top.logprob, "bytes": list(top.bytes)} for top in lp.top
+        ],
     }

@@ -11,12 +11,21 @@ responses beside it. Events are numbered from 1, ``session.created`` first.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import orjson
 
-from gateway.engines.base import TOOL_CHOICE_MODES, Message, SamplingParams, Tool, ToolChoice
+from gateway.engines.base import (
+    TOOL_CHOICE_MODES,
+    Message,
+    PromptLogprobs,
+    SamplingParams,
+    TokenLogprob,
+    Tool,
+    ToolChoice,
+)
 from gateway.scheduler import Outcome
 from sessions import codec, errors
 from sessions.conversation import Item, items_to_messages
@@ -75,6 +84,13 @@ class RealtimeFraming:
             _DELTA_INDEXES,
             orjson.dumps(text),  # escapes the text as JSON does
         )
+
+    def delta_logprobs(
+        self, seq: int, ids: bytes, text: str, logprobs: Sequence[TokenLogprob]
+    ) -> bytes:
+        """Never asked for: a Realtime response asks for no log probabilities (its text
+        delta has no field for them)."""
+        return self.delta(seq, ids, text)
 
 
 class RealtimeDialect:
@@ -262,21 +278,18 @@ class RealtimeDialect:
         core = self.core
         c = core.config
 
-        def pick(value: Any, default: Any) -> Any:
-            return default if value == codec.UNSET else value
-
-        instructions: str = pick(params.instructions, c.instructions)
+        instructions: str = codec.chosen(params.instructions, c.instructions)
         sampling = SamplingParams(
-            max_output_tokens=pick(params.max_output_tokens, c.max_output_tokens),
-            temperature=pick(params.temperature, c.temperature),
-            top_p=pick(params.top_p, c.top_p),
-            seed=pick(params.seed, c.seed),
-            stop=pick(params.stop, c.stop),
-            frequency_penalty=pick(params.frequency_penalty, c.frequency_penalty),
-            presence_penalty=pick(params.presence_penalty, c.presence_penalty),
+            max_output_tokens=codec.chosen(params.max_output_tokens, c.max_output_tokens),
+            temperature=codec.chosen(params.temperature, c.temperature),
+            top_p=codec.chosen(params.top_p, c.top_p),
+            seed=codec.chosen(params.seed, c.seed),
+            stop=codec.chosen(params.stop, c.stop),
+            frequency_penalty=codec.chosen(params.frequency_penalty, c.frequency_penalty),
+            presence_penalty=codec.chosen(params.presence_penalty, c.presence_penalty),
         )
-        tools: tuple[Tool, ...] = pick(params.tools, c.tools)
-        tool_choice: ToolChoice = pick(params.tool_choice, c.tool_choice)
+        tools: tuple[Tool, ...] = codec.chosen(params.tools, c.tools)
+        tool_choice: ToolChoice = codec.chosen(params.tool_choice, c.tool_choice)
         where = "response" if params.tool_choice != codec.UNSET else "session"
         check_tool_choice(tools, tool_choice, where, event_id)
         if params.input is not None:
@@ -368,7 +381,12 @@ class RealtimeDialect:
             )
         )
 
-    def text_delta(self, r: ResponseState, text: str) -> None:
+    def prompt_logprobs(self, r: ResponseState, logprobs: PromptLogprobs) -> None:
+        """Never asked for on this API."""
+
+    def text_delta(
+        self, r: ResponseState, text: str, logprobs: tuple[TokenLogprob, ...] | None
+    ) -> None:
         self.core.outbox.put(
             codec.event(
                 "response.output_text.delta",

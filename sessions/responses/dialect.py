@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -29,11 +29,13 @@ import orjson
 from gateway.engines.base import (
     GenerationRequest,
     Message,
+    PromptLogprobs,
     SamplingParams,
+    TokenLogprob,
     ToolCallDelta,
 )
 from gateway.scheduler import Job, Outcome
-from sessions import codec, errors
+from sessions import codec, errors, formats
 from sessions.conversation import Item, items_to_messages
 from sessions.core import CallState, ResponseSpec, ResponseState, Session, item_status
 from sessions.realtime.dialect import check_tool_choice, input_items
@@ -50,6 +52,10 @@ MAX_PENDING_STEERS = 8
 _DELTA = (
     b'{"type":"response.output_text.delta","sequence_number":%d%b'
     b',"output_index":0,"content_index":0,"logprobs":[],"delta":%b}'
+)
+_DELTA_LOGPROBS = (
+    b'{"type":"response.output_text.delta","sequence_number":%d%b'
+    b',"output_index":0,"content_index":0,"logprobs":%b,"delta":%b}'
 )
 
 log = logging.getLogger(__name__)
@@ -74,6 +80,12 @@ class ResponsesFraming:
     def delta(self, seq: int, ids: bytes, text: str) -> bytes:
         return _DELTA % (seq, ids, orjson.dumps(text))
 
+    def delta_logprobs(
+        self, seq: int, ids: bytes, text: str, logprobs: Sequence[TokenLogprob]
+    ) -> bytes:
+        lps = orjson.dumps(codec.text_logprobs_json(logprobs))
+        return _DELTA_LOGPROBS % (seq, ids, lps, orjson.dumps(text))
+
 
 class _Prefill:
     """The sink of a ``generate: false`` turn's prefill job: its output is not wanted."""
@@ -84,6 +96,18 @@ class _Prefill:
         self._done = done
 
     def on_delta(self, job: Job, text: str, token_ids: tuple[int, ...] = ()) -> None:
+        pass
+
+    def on_logprobs_delta(
+        self,
+        job: Job,
+        text: str,
+        logprobs: tuple[TokenLogprob, ...],
+        token_ids: tuple[int, ...] = (),
+    ) -> None:
+        pass
+
+    def on_prompt_logprobs(self, job: Job, logprobs: PromptLogprobs) -> None:
         pass
 
     def on_tool_call_delta(self, job: Job, delta: ToolCallDelta) -> None:
@@ -301,8 +325,7 @@ class ResponsesDialect:
         self._ready.extendleft(reversed(skipped))
 
     def _lane_error(self, err: errors.ProtocolError, lane: Lane) -> None:
-        if self.core.metrics is not None:
-            self.core.metrics.errors.labels(code=err.code).inc()
+        self.core.note_refusal(err)
         self.error(err, lane.stream_id)
 
     def _history(self, lane: Lane, body: rp.CreateBody) -> StoredResponse | None:
@@ -336,26 +359,21 @@ class ResponsesDialect:
         steer_specs = tuple(spec for _, steer in queued for spec in steer.input)
         new = input_items((*steer_specs, *body.input), "input", None, history)
         items = tuple(replace(i, id=i.id or core.free_item_id()) for i in new)
-        tools = c.tools if body.tools == codec.UNSET else body.tools
-        choice = c.tool_choice if body.tool_choice == codec.UNSET else body.tool_choice
+        tools = codec.chosen(body.tools, c.tools)
+        choice = codec.chosen(body.tool_choice, c.tool_choice)
         check_tool_choice(tools, choice, "", None)
         instructions = body.instructions if body.instructions is not None else c.instructions
         system = [Message("system", instructions)] if instructions else []
         messages = (*system, *items_to_messages([*history, *items]))
         sampling = SamplingParams(
-            max_output_tokens=c.max_output_tokens
-            if body.max_output_tokens == codec.UNSET
-            else body.max_output_tokens,
-            temperature=c.temperature if body.temperature == codec.UNSET else body.temperature,
-            top_p=c.top_p if body.top_p == codec.UNSET else body.top_p,
+            max_output_tokens=codec.chosen(body.max_output_tokens, c.max_output_tokens),
+            temperature=codec.chosen(body.temperature, c.temperature),
+            top_p=codec.chosen(body.top_p, c.top_p),
             seed=c.seed,
             stop=c.stop,
-            frequency_penalty=c.frequency_penalty
-            if body.frequency_penalty == codec.UNSET
-            else body.frequency_penalty,
-            presence_penalty=c.presence_penalty
-            if body.presence_penalty == codec.UNSET
-            else body.presence_penalty,
+            frequency_penalty=codec.chosen(body.frequency_penalty, c.frequency_penalty),
+            presence_penalty=codec.chosen(body.presence_penalty, c.presence_penalty),
+            logprobs=body.logprobs,
         )
         turn = Turn(body, lane, history, items, int(time.time()), body.instructions, tools, choice)
         if not body.generate:
@@ -370,6 +388,10 @@ class ResponsesDialect:
             affinity_key=core.affinity(body.affinity_key) or lane.affinity_key,
             metadata=body.metadata,
             tag=turn,
+            constraint=formats.constraint(body.text_format) if body.text_format else None,
+            parallel_tool_calls=body.parallel_tool_calls,
+            logprobs_param="include",
+            model=body.model or "",
         )
         response = core.start_response(spec)
         if response is None:
@@ -393,7 +415,8 @@ class ResponsesDialect:
         request = GenerationRequest(
             request_id=response_id,
             messages=messages,
-            sampling=replace(sampling, max_output_tokens=1),
+            # A token to warm the cache with, whose log probabilities nobody reads.
+            sampling=replace(sampling, max_output_tokens=1, logprobs=None),
             affinity_key=core.affinity(turn.body.affinity_key) or lane.affinity_key,
         )
         job = Job(
@@ -468,8 +491,13 @@ class ResponsesDialect:
         for event in turns.text_opened(r):
             self._put(lane, event)
 
-    def text_delta(self, r: ResponseState, text: str) -> None:
-        self._put(self._turn(r).lane, turns.text_delta(r, text))
+    def text_delta(
+        self, r: ResponseState, text: str, logprobs: tuple[TokenLogprob, ...] | None
+    ) -> None:
+        self._put(self._turn(r).lane, turns.text_delta(r, text, logprobs))
+
+    def prompt_logprobs(self, r: ResponseState, logprobs: PromptLogprobs) -> None:
+        """Never asked for on this API."""
 
     def call_opened(self, r: ResponseState, call: CallState) -> None:
         turn = self._turn(r)
@@ -491,7 +519,7 @@ class ResponsesDialect:
             outputs.append(
                 (
                     r.text_index,
-                    self._close_text(lane, r, outcome.text, status),
+                    self._close_text(lane, r, outcome, status),
                     Item(r.item_id, "assistant", outcome.text, status),
                 )
             )
@@ -522,8 +550,10 @@ class ResponsesDialect:
         self._settle_steers(lane, turn, r.id, response_status, calls)
         self._after_turn(lane)
 
-    def _close_text(self, lane: Lane, r: ResponseState, text: str, status: str) -> codec.JSON:
-        events, item = turns.text_closed(r, text, status)
+    def _close_text(
+        self, lane: Lane, r: ResponseState, outcome: Outcome, status: str
+    ) -> codec.JSON:
+        events, item = turns.text_closed(r, outcome.text, status, outcome.logprobs)
         for event in events:
             self._put(lane, event)
         return item

@@ -36,7 +36,7 @@ def model_available() -> bool:
     return True
 
 
-def serve(slots: int, ctx: int, port: int, threads: int) -> None:
+def serve(slots: int, ctx: int, port: int, threads: int, embeddings: bool = False) -> None:
     import xllamacpp
 
     try:
@@ -60,6 +60,9 @@ def serve(slots: int, ctx: int, port: int, threads: int) -> None:
     params.endpoint_props = True
     params.ui = False
     params.verbosity = 1  # errors only
+    if embeddings:  # /v1/embeddings too (mean-pooled); completions are still served
+        params.embedding = True
+        params.pooling_type = xllamacpp.llama_pooling_type.LLAMA_POOLING_TYPE_MEAN
     server = xllamacpp.Server(params)
     print(READY + server.listening_address, flush=True)
     sys.stdin.read()  # until the test process closes our stdin (or dies)
@@ -78,6 +81,7 @@ class LlamaServer:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
         self.process.wait(timeout=10)
+        self._close_pipes()
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -87,10 +91,23 @@ class LlamaServer:
                 self.process.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.kill()
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        """Else the garbage collector closes them, warning in whichever test then runs."""
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None and not pipe.closed:
+                pipe.close()
 
 
 def start(
-    *, slots: int = 2, ctx: int = 1024, threads: int = 1, port: int = 0, timeout: float = 60
+    *,
+    slots: int = 2,
+    ctx: int = 1024,
+    threads: int = 1,
+    port: int = 0,
+    timeout: float = 60,
+    embeddings: bool = False,
 ) -> LlamaServer:
     """Start a server process and wait until it has loaded the model (port 0: any free).
 
@@ -106,6 +123,7 @@ def start(
             f"--ctx={ctx}",
             f"--threads={threads}",
             f"--port={port}",
+            *(["--embeddings"] if embeddings else []),
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -128,9 +146,10 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=1024, help="context per slot")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--embeddings", action="store_true", help="serve /v1/embeddings too")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    serve(args.slots, args.ctx, args.port, args.threads)
+    serve(args.slots, args.ctx, args.port, args.threads, args.embeddings)
 
 
 if __name__ == "__main__":
