@@ -87,7 +87,7 @@ async def test_sessions_are_written_and_read_back_each_on_one_slot(
     await a.flush()
     assert a.up
     for session in sessions:
-        loaded = await b.load(session.id)
+        loaded = await b.reads.load(session.id)
         assert loaded is not None and loaded.owner == "p1"
         assert loaded.frames == session.frames
         assert loaded.state == orjson.loads(session.state())
@@ -124,7 +124,7 @@ async def test_a_write_the_lease_refuses_ends_the_session_there(
     a.after(a.due(session.id), lambda: released.append(1), session.id)
     await a.flush()
     assert lost == [session.id] and released == []
-    loaded = await b.load(session.id)
+    loaded = await b.reads.load(session.id)
     assert loaded is not None and loaded.owner == "p2"
     assert [seq for seq, _ in loaded.frames] == [1]  # the refused frame is not in the log
 
@@ -152,7 +152,7 @@ async def test_frames_the_store_lost_are_written_again_from_memory(
     session.frame(a)
     await a.flush()
     await a.flush()  # the frames written again
-    loaded = await b.load(session.id)
+    loaded = await b.reads.load(session.id)
     assert loaded is not None
     assert loaded.frames == session.frames
 

@@ -34,7 +34,8 @@ import socket
 import orjson
 from redis.exceptions import RedisError
 
-from gateway.cluster.redis_store import Loaded, RedisStore, Source
+from gateway.cluster.redis_store import RedisStore, Source
+from gateway.cluster.store_reads import Loaded
 from gateway.metrics import Metrics
 from gateway.observability import Record
 from gateway.session_table import SessionTable
@@ -192,7 +193,7 @@ class Persistence:
         if response_id in local:
             return
         try:
-            data = await self.store.get_response(response_id)
+            data = await self.store.reads.response(response_id)
         except (RedisError, OSError):
             return
         if data is not None:
@@ -202,7 +203,7 @@ class Persistence:
         """The stored session, if ``token`` is its and ``tenant`` owns it; else
         :class:`ResumeRefused` (the same ``session_not_found`` for either)."""
         try:
-            loaded = await self.store.load(session_id)
+            loaded = await self.store.reads.load(session_id)
         except (RedisError, OSError) as exc:
             log.warning("resume of %s: the session store does not answer (%r)", session_id, exc)
             raise ResumeRefused("session_not_found") from None

@@ -55,23 +55,15 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-import orjson
-from redis.exceptions import (
-    ClusterError,
-    ReadOnlyError,
-    RedisClusterException,
-    RedisError,
-    TryAgainError,
-)
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 
 from gateway.cluster import redis_topology, store_scripts
 from gateway.cluster.store_lanes import Batch, Lane
+from gateway.cluster.store_reads import PatientReads
 from gateway.cluster.store_writes import (
     LogWrites,
     NodeOf,
@@ -86,13 +78,11 @@ from gateway.cluster.store_writes import (
     response_key,
     save_args,
     save_call,
-    state_key,
-    token_process,
 )
 from gateway.metrics import Metrics
 from gateway.transport.coalesce import WriteBatch
 
-__all__ = ["Loaded", "RedisStore", "Source", "channel", "log_key", "owner_key"]
+__all__ = ["RedisStore", "Source", "channel", "log_key", "owner_key"]
 
 log = logging.getLogger(__name__)
 
@@ -105,20 +95,6 @@ LEASE_SECONDS = 3.0
 # the number a log must hold already (its gap check) is then known.
 LOG_FLUSHES_IN_FLIGHT = 1
 STATE_FLUSHES_IN_FLIGHT = 8
-# A read (a resume's load, a takeover's lease) is tried again for this long while Redis
-# fails over (its primary gone, READONLY, CLUSTERDOWN...): a failover costs a client a wait,
-# not its session. A Sentinel or a cluster replaces a primary within seconds.
-PATIENCE_SECONDS = 10.0
-FAILING_OVER = (
-    RedisConnectionError,
-    RedisTimeoutError,
-    ReadOnlyError,
-    ClusterError,
-    TryAgainError,
-    RedisClusterException,
-    OSError,
-)
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,14 +118,6 @@ class _Waiter:
     since: float = 0.0  # a held socket's: when it began to wait (0: not timed)
     session: str | None = None
     internal: bool = False
-
-
-@dataclass(slots=True)
-class Loaded:
-    state: dict[str, Any]
-    frames: list[tuple[int, bytes]]  # the log, oldest first
-    owner: str | None  # the process holding the lease
-    token_ids: dict[int, tuple[int, ...]] = field(default_factory=dict)  # by frame number
 
 
 class RedisStore:
@@ -215,6 +183,8 @@ class RedisStore:
         self._tasks: list[asyncio.Task[None]] = []
         self._renewing: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()  # close() has begun: no more lease renewals
+        # Reads (a resume's load, a takeover's lease) wait out a failover.
+        self.reads = PatientReads(self.topology, self._closing)
         self._renew_all = False  # the next state flush renews every lease held
         self._tick = time.monotonic()  # the renewer's last turn: a pause shows as a gap
         self._paused = False  # a gap longer than a lease: take no lease that is gone
@@ -720,12 +690,10 @@ class RedisStore:
         if self.topology.replicated:
             # On the same connection: WAIT counts that connection's writes.
             commands.append(("WAIT", 1, redis_topology.WAIT_REPLICA_MS))
-        taken, *_ = await self.patiently(lambda: self.topology.execute_on(key, commands))
-        if not taken:
-            # A take tried again (its first reply lost with a primary) finds its own token.
-            held = await self.patiently(lambda: self.client.get(key))
-            if (held.decode() if isinstance(held, bytes) else held) != token:
-                return False
+        taken, *_ = await self.reads.patiently(lambda: self.topology.execute_on(key, commands))
+        # A take tried again (its first reply lost with a primary) finds its own token.
+        if not taken and await self.reads.get(key) != token:
+            return False
         self._tokens[session_id] = token
         self._leased.add(session_id)
         return True
@@ -793,60 +761,6 @@ class RedisStore:
             if not self._letting_go or not self.up:
                 return
             await asyncio.sleep(0)  # the leases just queued: in the next flush
-
-    # -- reads (a resume on a process that does not hold the session) ---------------
-
-    async def patiently(self, read: Callable[[], Awaitable[T]]) -> T:
-        """``read()``, tried again while Redis fails over (up to :data:`PATIENCE_SECONDS`);
-        then its error, as a ``RedisError``."""
-        backoff, deadline = 0.05, time.monotonic() + PATIENCE_SECONDS
-        while True:
-            try:
-                return await read()
-            except FAILING_OVER as exc:
-                if time.monotonic() > deadline or self._closing.is_set():
-                    if isinstance(exc, RedisError):
-                        raise
-                    raise RedisConnectionError(str(exc)) from exc
-            await asyncio.sleep(backoff)
-            backoff = min(0.5, 2 * backoff)
-            with contextlib.suppress(*FAILING_OVER):
-                await self.topology.refresh()
-
-    async def load(self, session_id: str) -> Loaded | None:
-        return await self.patiently(lambda: self._load(session_id))
-
-    async def _load(self, session_id: str) -> Loaded | None:
-        pipe = self.client.pipeline(transaction=False)
-        pipe.get(state_key(session_id))
-        pipe.xrange(log_key(session_id))
-        pipe.get(owner_key(session_id))
-        state, entries, owner = await pipe.execute()
-        if state is None:
-            return None
-        frames, token_ids = [], {}
-        for entry_id, fields in entries:
-            seq = int(entry_id.split(b"-")[0])
-            frames.append((seq, fields[b"f"]))
-            if (ids := fields.get(b"t")) is not None:
-                token_ids[seq] = tuple(map(int, ids.split()))
-        holder = token_process(owner.decode()) if owner else None
-        return Loaded(orjson.loads(state), frames, holder, token_ids)
-
-    async def owner(self, session_id: str) -> str | None:
-        """The process holding ``session_id``'s lease now (None: nobody)."""
-        token = await self.patiently(lambda: self.client.get(owner_key(session_id)))
-        if isinstance(token, bytes):
-            token = token.decode()
-        return token_process(token) if token else None
-
-    async def get_response(self, response_id: str) -> bytes | None:
-        data = await self.patiently(lambda: self.client.get(response_key(response_id)))
-        return data.encode() if isinstance(data, str) else data
-
-    async def get_background(self, response_id: str) -> bytes | None:
-        data = await self.patiently(lambda: self.client.get(background_key(response_id)))
-        return data.encode() if isinstance(data, str) else data
 
     def describe(self) -> dict[str, object]:
         return {
