@@ -93,7 +93,7 @@ class Background:
     async def keep(self, response_id: str, session_id: str, token: str) -> None:
         """Record the response's session, and wait until Redis has it."""
         data = orjson.dumps({"session": session_id, "token": token})
-        self.store.put_background(response_id, data, self._ttl)
+        self.store.responses.put_background(response_id, data, self._ttl)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(2):  # a store that is down: the create goes on
                 await self.store.flush()
@@ -101,7 +101,7 @@ class Background:
     async def forget(self, response_id: str) -> None:
         """Delete the record, and wait until Redis has it gone (with what was queued
         before it: the stored response's delete)."""
-        self.store.delete_background(response_id)
+        self.store.responses.delete_background(response_id)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(2):  # a store that is down: the delete goes on
                 await self.store.flush()

@@ -120,8 +120,10 @@ class Persistence:
         self._handed_over = False  # a drain gave every session back to the store
         table.keeper = self
         store.on_lost = self.lost
-        responses.on_put = lambda r: store.put_response(r.id, response_json(r), responses.ttl)
-        responses.on_delete = store.delete_response
+        responses.on_put = lambda r: store.responses.put_response(
+            r.id, response_json(r), responses.ttl
+        )
+        responses.on_delete = store.responses.delete_response
 
     # -- sessions of this process ------------------------------------------------------
 

@@ -61,21 +61,20 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from gateway.cluster import redis_topology, store_scripts
+from gateway.cluster import redis_topology, store_responses, store_scripts
 from gateway.cluster.store_lanes import Batch, Lane
 from gateway.cluster.store_reads import PatientReads
+from gateway.cluster.store_responses import ResponseWrites
 from gateway.cluster.store_writes import (
     LogWrites,
     NodeOf,
     StateWrites,
     append_args,
     append_call,
-    background_key,
     channel,
     groups,
     log_key,
     owner_key,
-    response_key,
     save_args,
     save_call,
 )
@@ -159,8 +158,6 @@ class RedisStore:
         self.buffered_bytes = 0
         self._logs: dict[str, LogWrites] = {}
         self._states: dict[str, StateWrites] = {}
-        # Stored responses and background records, by key; None: delete.
-        self._responses: list[tuple[str, bytes | None, float]] = []
         self._owned: set[str] = set()
         self._tokens: dict[str, str] = {}  # each held session's lease token
         self._leased: set[str] = set()  # held sessions whose lease Redis has had
@@ -176,7 +173,8 @@ class RedisStore:
         # is not written yet (what a held frame of that session waits for).
         self._log_due: dict[str, int] = {}
         self._state_due: dict[str, int] = {}
-        self._responses_due = 0  # a stored response: every held frame waits for it
+        # Stored responses and background records: every held frame waits for a put.
+        self.responses = ResponseWrites(self._state_lane)
         self._waiters: list[_Waiter] = []
         # Leases to let go once what their sessions queued before is written: their tokens.
         self._letting_go: dict[str, str] = {}
@@ -324,25 +322,6 @@ class RedisStore:
         self._log_top.pop(session_id, None)
         self._trimmed.pop(session_id, None)
 
-    def put_response(self, response_id: str, data: bytes, ttl: float) -> None:
-        self._put(response_key(response_id), data, ttl)
-
-    def delete_response(self, response_id: str) -> None:
-        self._responses.append((response_key(response_id), None, 0))
-        self._state_lane.wake.set()
-
-    def put_background(self, response_id: str, data: bytes, ttl: float) -> None:
-        self._put(background_key(response_id), data, ttl)
-
-    def delete_background(self, response_id: str) -> None:
-        self._responses.append((background_key(response_id), None, 0))
-        self._state_lane.wake.set()
-
-    def _put(self, key: str, data: bytes, ttl: float) -> None:
-        self._responses.append((key, data, ttl))
-        self._responses_due = self._state_lane.next
-        self._state_lane.wake.set()
-
     # -- what held frames wait for ------------------------------------------------------
 
     def due(self, session_id: str | None) -> tuple[int, int]:
@@ -351,7 +330,7 @@ class RedisStore:
         every session queued). A held frame waits for these, not other sessions' writes."""
         if session_id is None:
             return self._log_lane.next, self._state_lane.next
-        state_due = max(self._state_due.get(session_id, 0), self._responses_due)
+        state_due = max(self._state_due.get(session_id, 0), self.responses.due)
         return self._log_due.get(session_id, 0), state_due
 
     def after(
@@ -556,7 +535,7 @@ class RedisStore:
         """What the state lane's next flush writes (with every lease renewed, at a
         renewal's turn)."""
         taken, self._states = self._states, {}
-        responses, self._responses = self._responses, []
+        responses = self.responses.take()
         renewal = self._renew_all
         self._renew_all = False
         if renewal:
@@ -580,8 +559,7 @@ class RedisStore:
             order[node] = slot_groups
         for key, data, seconds in responses:
             node = self.topology.node_of(key) if self._slots is not None else ""
-            command = ("DEL", key) if data is None else ("SET", key, data, "PX", _ms(seconds))
-            commands.setdefault(node, []).append(command)
+            commands.setdefault(node, []).append(store_responses.command(key, data, seconds))
         sent = time.monotonic()
         waiting = set(commands)  # nodes that have not answered
 
@@ -612,7 +590,7 @@ class RedisStore:
             self._resync([session_id])
 
     def _requeue_states(
-        self, taken: dict[str, StateWrites], responses: list[tuple[str, bytes | None, float]]
+        self, taken: dict[str, StateWrites], responses: store_responses.Queued
     ) -> None:
         for session_id, old in taken.items():
             new = self._states.get(session_id)
@@ -626,7 +604,7 @@ class RedisStore:
             if new.release_for is None:
                 new.release_for = old.release_for
             new.forget = new.forget or old.forget
-        self._responses[:0] = responses
+        self.responses.requeue(responses)
 
     def _node_of_slot(self, slot: int) -> str:
         node = self.topology.client.nodes_manager.get_node_from_slot(slot)
@@ -771,7 +749,3 @@ class RedisStore:
             "sessions": len(self._owned),
             "buffered_bytes": self.buffered_bytes,
         }
-
-
-def _ms(seconds: float) -> int:
-    return max(1, int(1000 * seconds))
