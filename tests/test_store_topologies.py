@@ -165,10 +165,10 @@ async def test_a_released_lease_is_taken_at_once_and_the_channel_reaches_its_own
     a.own(session.id, session.source)
     session.frame(a)
     await a.flush()
-    assert not await b.acquire(session.id)  # held
+    assert not await b.leases.acquire(session.id)  # held
     a.release(session.id, 5)
     await a.flush()
-    assert await b.acquire(session.id)
+    assert await b.leases.acquire(session.id)
     received: asyncio.Queue[bytes] = asyncio.Queue()
 
     async def listen() -> None:

@@ -223,7 +223,7 @@ class Persistence:
         else raise :class:`ResumeRefused`."""
         table = self._table
         session_id = loaded.state["id"]
-        if not await self.store.acquire(session_id):
+        if not await self.store.leases.acquire(session_id):
             raise ResumeRefused("session_busy")
         if loaded.frames:
             self.store.logged_upto(session_id, loaded.frames[-1][0])

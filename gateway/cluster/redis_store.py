@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -63,6 +62,7 @@ from redis.exceptions import RedisError
 
 from gateway.cluster import redis_topology, store_responses, store_scripts
 from gateway.cluster.store_lanes import Batch, Lane
+from gateway.cluster.store_leases import LEASE_SECONDS, Leases
 from gateway.cluster.store_reads import PatientReads
 from gateway.cluster.store_responses import ResponseWrites
 from gateway.cluster.store_writes import (
@@ -85,7 +85,6 @@ __all__ = ["RedisStore", "Source", "channel", "log_key", "owner_key"]
 
 log = logging.getLogger(__name__)
 
-LEASE_SECONDS = 3.0
 # Flushes of a lane sent and not answered yet. The state lane's go out while those before
 # them wait for their replies (bounded, so that a slow Redis pushes back on the lane); the
 # log lane's one at a time: what comes in meanwhile joins the next flush, and a gateway
@@ -143,7 +142,6 @@ class RedisStore:
         self._write_batch = write_batch or contextlib.nullcontext()
         self.process = process
         self.resume_window = resume_window
-        self.lease_seconds = lease_seconds
         self.max_buffer_bytes = max_buffer_bytes
         self.metrics = metrics
         self.topology = redis_topology.connect(url)
@@ -159,12 +157,9 @@ class RedisStore:
         self._logs: dict[str, LogWrites] = {}
         self._states: dict[str, StateWrites] = {}
         self._owned: set[str] = set()
-        self._tokens: dict[str, str] = {}  # each held session's lease token
-        self._leased: set[str] = set()  # held sessions whose lease Redis has had
         self._sources: dict[str, Source] = {}
         self._log_top: dict[str, int] = {}  # the last frame each log surely has
         self._trimmed: dict[str, int] = {}  # the log's first kept entry, as last trimmed
-        self._numbers = itertools.count(1)
         self._log_lane = Lane("log", LOG_FLUSHES_IN_FLIGHT, self.topology, self._take_logs,
                               self._written, self._failed)  # fmt: skip
         self._state_lane = Lane("state", STATE_FLUSHES_IN_FLIGHT, self.topology,
@@ -183,16 +178,13 @@ class RedisStore:
         self._closing = asyncio.Event()  # close() has begun: no more lease renewals
         # Reads (a resume's load, a takeover's lease) wait out a failover.
         self.reads = PatientReads(self.topology, self._closing)
-        self._renew_all = False  # the next state flush renews every lease held
-        self._tick = time.monotonic()  # the renewer's last turn: a pause shows as a gap
-        self._paused = False  # a gap longer than a lease: take no lease that is gone
-        self._valid_until = 0.0  # monotonic: every lease held is surely ours till then
+        self.leases = Leases(process, lease_seconds, self.reads, self._closing)
         self._lapse: asyncio.TimerHandle | None = None
 
     @property
     def key_ttl_ms(self) -> int:
         """How long a session's keys outlive the last renewal of its lease."""
-        return int(1000 * (max(self.resume_window, 0.0) + 2 * self.lease_seconds))
+        return int(1000 * (max(self.resume_window, 0.0) + 2 * self.leases.seconds))
 
     async def start(self) -> None:
         """Connect (a Redis that is down now is retried in the background)."""
@@ -206,7 +198,8 @@ class RedisStore:
                 redis_topology.safe(self.url),
             )
         loop = asyncio.get_running_loop()
-        self._renewing = loop.create_task(self._renewer(), name="store-leases")
+        renewer = self.leases.renewer(lambda: bool(self._owned), self._state_lane.wake.set)
+        self._renewing = loop.create_task(renewer, name="store-leases")
         self._tasks = [
             loop.create_task(self._log_lane.run(), name="store-log-writer"),
             loop.create_task(self._state_lane.run(), name="store-state-writer"),
@@ -257,16 +250,12 @@ class RedisStore:
 
     def own(self, session_id: str, source: Source) -> None:
         """Hold ``session_id`` from now on: a new session (its lease taken at the next
-        flush), or one :meth:`acquire` took. ``source``: what it can write again."""
+        flush), or one :meth:`Leases.acquire` took. ``source``: what it can write again."""
         self._owned.add(session_id)
         self._sources[session_id] = source
-        if session_id not in self._tokens:
-            self._tokens[session_id] = self._new_token()
+        if session_id not in self.leases.tokens:
+            self.leases.take(session_id)
             self._state_entry(session_id).take = "n"
-            if self._valid_until < time.monotonic() + self.lease_seconds / 2:
-                # No renewal lately (the first session): one now, with this take, so
-                # that the leases' validity is known from the start.
-                self._renew_all = True
 
     def logged_upto(self, session_id: str, seq: int) -> None:
         """The log of a session taken over holds its frames up to ``seq`` (as loaded)."""
@@ -285,7 +274,7 @@ class RedisStore:
     def forget(self, session_id: str) -> None:
         """The session ended for good: its keys go."""
         logs = self._logs.get(session_id)
-        if logs is not None and session_id in self._tokens:
+        if logs is not None and session_id in self.leases.tokens:
             self.buffered_bytes -= sum(len(f) for _, f in logs.frames)
             logs.frames.clear()
             logs.token_ids.clear()
@@ -298,7 +287,7 @@ class RedisStore:
     def _let_go(self, session_id: str, mark: Callable[[StateWrites], None]) -> None:
         """Stop holding ``session_id``; once both lanes have written what it queued so
         far, its lease goes as ``mark`` says (nothing of it may land after that)."""
-        token = self._tokens.pop(session_id, None)
+        token = self.leases.tokens.pop(session_id, None)
         self._drop(session_id)
         if token is None:
             return  # not this process's (lost to another one): nothing to let go
@@ -317,7 +306,7 @@ class RedisStore:
 
     def _drop(self, session_id: str) -> None:
         self._owned.discard(session_id)
-        self._leased.discard(session_id)
+        self.leases.leased.discard(session_id)
         self._sources.pop(session_id, None)
         self._log_top.pop(session_id, None)
         self._trimmed.pop(session_id, None)
@@ -339,7 +328,7 @@ class RedisStore:
         """Run ``callback`` once the flushes ``due`` (see :meth:`due`) are written; while
         Redis is down, at once, unless ``session``'s lease may have run out (``lapsed``);
         never if ``session`` is lost to another process meanwhile."""
-        if not self.up and not (self.lapsed and session in self._leased):
+        if not self.up and not (self.lapsed and session in self.leases.leased):
             callback()
             return
         if not self.up:
@@ -372,7 +361,7 @@ class RedisStore:
         log_done, state_done = self._log_lane.done, self._state_lane.done
         ready, waiting = [], []
         for w in self._waiters:
-            if failed and (w.internal or (self.lapsed and w.session in self._leased)):
+            if failed and (w.internal or (self.lapsed and w.session in self.leases.leased)):
                 w.log, w.state = self._log_lane.next, self._state_lane.next
                 waiting.append(w)
             elif failed or (w.log <= log_done and w.state <= state_done):
@@ -401,7 +390,7 @@ class RedisStore:
     def _failed(self, lane: Lane, exc: BaseException) -> None:
         if self.up:
             log.warning("session store write failed (%s): memory-only until it is back", exc)
-            delay = max(0.0, self._valid_until - time.monotonic())
+            delay = max(0.0, self.leases.valid_until - time.monotonic())
             self._lapse = asyncio.get_running_loop().call_later(delay, self._lapsed)
         self._set_up(False)
         if self.metrics is not None:
@@ -436,7 +425,7 @@ class RedisStore:
         written again from memory where it lacks frames)."""
         for session_id in self._owned if session_ids is None else session_ids:
             source = self._sources.get(session_id)
-            if source is None or session_id not in self._tokens:
+            if source is None or session_id not in self.leases.tokens:
                 continue
             entry = self._state_entry(session_id)
             entry.state = source.state
@@ -453,13 +442,13 @@ class RedisStore:
 
     # -- the flushes ----------------------------------------------------------------------
 
-    def _retake(self) -> bool:
-        """May a lease that is gone be taken again now? Not after a pause longer than a
-        lease (the renewer's turns show it): another process may have held it since."""
-        return not self._paused and time.monotonic() - self._tick < self.lease_seconds
+    def _token(self, session_id: str) -> str | None:
+        """The token a session's writes carry: held, or its lease being let go."""
+        return self.leases.tokens.get(session_id) or self._letting_go.get(session_id)
 
     def _head(self) -> list[Any]:
-        return [self.key_ttl_ms, int(1000 * self.lease_seconds), "1" if self._retake() else ""]
+        retake = "1" if self.leases.may_retake() else ""
+        return [self.key_ttl_ms, int(1000 * self.leases.seconds), retake]
 
     def _take_logs(self) -> Batch:
         """What the log lane's next flush writes."""
@@ -468,10 +457,10 @@ class RedisStore:
         parts: dict[str, list[Any]] = {}
         tops: dict[str, int] = {}
         for session_id, p in taken.items():
-            token = self._tokens.get(session_id) or self._letting_go.get(session_id)
+            token = self._token(session_id)
             if token is None or not (p.frames or p.check or p.trim_before is not None):
                 continue
-            take = "n" if session_id not in self._leased else ""
+            take = "n" if session_id not in self.leases.leased else ""
             parts[session_id] = append_args(
                 session_id, p, token, take, self._log_top.get(session_id)
             )
@@ -505,7 +494,7 @@ class RedisStore:
         return Batch(commands, replies, requeue, frame_bytes)
 
     def _logged(self, session_id: str, status: int, top: int | None) -> None:
-        if session_id not in self._tokens:
+        if session_id not in self.leases.tokens:
             if status == store_scripts.LOST:
                 self._letting_go.pop(session_id, None)
             return
@@ -514,7 +503,7 @@ class RedisStore:
         elif status >= 0:
             self._rewrite(session_id, status - 1)
         else:
-            self._leased.add(session_id)
+            self.leases.leased.add(session_id)
             if top is not None:
                 self._log_top[session_id] = top
             if status == store_scripts.RETAKEN:
@@ -536,8 +525,7 @@ class RedisStore:
         renewal's turn)."""
         taken, self._states = self._states, {}
         responses = self.responses.take()
-        renewal = self._renew_all
-        self._renew_all = False
+        renewal = self.leases.renewal()
         if renewal:
             for session_id in self._owned:
                 entry = taken.get(session_id)
@@ -546,9 +534,7 @@ class RedisStore:
                 entry.renew = True
         parts: dict[str, list[Any]] = {}
         for session_id, p in taken.items():
-            p.token = (
-                p.token or self._tokens.get(session_id) or self._letting_go.get(session_id, "")
-            )
+            p.token = p.token or self._token(session_id) or ""
             if p.token:
                 parts[session_id] = save_args(p)
         head = self._head()
@@ -571,21 +557,20 @@ class RedisStore:
             waiting.discard(node)
             if renewal and not waiting:
                 # Every lease held was renewed when this flush went out (or found lost).
-                self._valid_until = max(self._valid_until, sent + self.lease_seconds)
-                self._paused = False
+                self.leases.renewed(sent)
 
         requeue = lambda: self._requeue_states(taken, responses)  # noqa: E731
         return Batch(commands, replies, requeue)
 
     def _saved(self, session_id: str, status: int) -> None:
-        if session_id not in self._tokens:
+        if session_id not in self.leases.tokens:
             if status == store_scripts.LOST:
                 self._letting_go.pop(session_id, None)
             return
         if status == store_scripts.LOST:
             self._lose(session_id)
             return
-        self._leased.add(session_id)
+        self.leases.leased.add(session_id)
         if status == store_scripts.RETAKEN:
             self._resync([session_id])
 
@@ -616,7 +601,7 @@ class RedisStore:
     def _lose(self, session_id: str) -> None:
         """Another process holds ``session_id``'s lease: nothing more of it is written,
         its held frames are never sent, and ``on_lost`` ends it here."""
-        self._tokens.pop(session_id, None)
+        self.leases.tokens.pop(session_id, None)
         self._drop(session_id)
         logs = self._logs.pop(session_id, None)
         if logs is not None:
@@ -652,46 +637,6 @@ class RedisStore:
         for w in self._waiters:
             if w.session == session_id and w.log < following:
                 w.log = following
-
-    # -- leases -----------------------------------------------------------------------------
-
-    def _new_token(self) -> str:
-        return f"{self.process}#{next(self._numbers)}"
-
-    async def acquire(self, session_id: str) -> bool:
-        """Take the session's lease if nobody holds it (its owner is gone). Where writes
-        are replicated, wait (briefly) for a replica to have it: a failover right after
-        this take then keeps it."""
-        token = self._new_token()
-        key, lease = owner_key(session_id), int(1000 * self.lease_seconds)
-        commands: list[tuple[Any, ...]] = [("SET", key, token, "NX", "PX", lease)]
-        if self.topology.replicated:
-            # On the same connection: WAIT counts that connection's writes.
-            commands.append(("WAIT", 1, redis_topology.WAIT_REPLICA_MS))
-        taken, *_ = await self.reads.patiently(lambda: self.topology.execute_on(key, commands))
-        # A take tried again (its first reply lost with a primary) finds its own token.
-        if not taken and await self.reads.get(key) != token:
-            return False
-        self._tokens[session_id] = token
-        self._leased.add(session_id)
-        return True
-
-    async def _renewer(self) -> None:
-        """Every third of a lease: renew every lease held (in the state lane's next
-        flush), and notice a pause (a turn that came later than a lease)."""
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._closing.wait(), self.lease_seconds / 3)
-            if self._closing.is_set():
-                return
-            now = time.monotonic()
-            if now - self._tick > self.lease_seconds:
-                log.warning("this process was paused for %.1f s: past its leases", now - self._tick)
-                self._paused = True
-            self._tick = now
-            if self._owned:
-                self._renew_all = True
-                self._state_lane.wake.set()
 
     # -- the queues -------------------------------------------------------------------------
 
