@@ -85,7 +85,7 @@ async def test_sessions_are_written_and_read_back_each_on_one_slot(
         for _ in range(5):
             session.frame(a)
     await a.flush()
-    assert a.up
+    assert a.holds.up
     for session in sessions:
         loaded = await b.reads.load(session.id)
         assert loaded is not None and loaded.owner == "p1"
@@ -121,7 +121,7 @@ async def test_a_write_the_lease_refuses_ends_the_session_there(
         client.close()
     released: list[int] = []
     session.frame(a)
-    a.after(a.due(session.id), lambda: released.append(1), session.id)
+    a.holds.after(a.holds.due(session.id), lambda: released.append(1), session.id)
     await a.flush()
     assert lost == [session.id] and released == []
     loaded = await b.reads.load(session.id)

@@ -23,7 +23,8 @@ one flush per loop turn and lane (gateway/cluster/store_lanes.py), which is to s
 engine step: frames on the log lane; states, leases and stored responses on the state
 lane. A frame reaches its client only once the log has it, and its session's state as
 it was when the frame was numbered: a socket's writes are held until then
-(:meth:`RedisStore.due`), so a process that dies can lose nothing a client has seen.
+(gateway/cluster/store_holds.py), so a process that dies can lose nothing a client has
+seen.
 The keys of a session expire ``--resume-window`` after its process stops renewing them.
 
 **Fencing.** A write the lease refuses (another process took the session: this one was
@@ -61,6 +62,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from gateway.cluster import redis_topology, store_responses, store_scripts
+from gateway.cluster.store_holds import Holds
 from gateway.cluster.store_lanes import Batch, Lane
 from gateway.cluster.store_leases import LEASE_SECONDS, Leases
 from gateway.cluster.store_reads import PatientReads
@@ -104,22 +106,11 @@ class Source:
     frames_after: Callable[[int], list[tuple[int, bytes]]]
 
 
-@dataclass(slots=True)
-class _Waiter:
-    """A callback and the flush of each lane it waits for. ``session``: whose frames it
-    releases (dropped if that session is lost); ``internal``: the store's own (a lease let
-    go), which waits for real writes even across a failure."""
-
-    log: int
-    state: int
-    callback: Callable[[], None]
-    since: float = 0.0  # a held socket's: when it began to wait (0: not timed)
-    session: str | None = None
-    internal: bool = False
-
-
 class RedisStore:
-    """The session store's queues, leases and reads (the module docstring says how).
+    """The session store's write queues and their flushes, fenced by the leases (the
+    module docstring says how). Its parts: :attr:`reads` (store_reads.py), :attr:`leases`
+    (store_leases.py), :attr:`responses` (store_responses.py), :attr:`holds` (what a
+    socket's frames wait for: store_holds.py).
 
     Writes are split between the lanes by kind: frames to the log lane, the rest to the
     state lane; a lease let go (released, or the keys deleted) goes to the state lane only
@@ -138,8 +129,6 @@ class RedisStore:
         write_batch: WriteBatch | None = None,
     ) -> None:
         self.url = url
-        # Open while a flush's callbacks release held frames: each socket's, in one write.
-        self._write_batch = write_batch or contextlib.nullcontext()
         self.process = process
         self.resume_window = resume_window
         self.max_buffer_bytes = max_buffer_bytes
@@ -149,9 +138,6 @@ class RedisStore:
         self._slots: NodeOf | None = None
         if self.topology.kind == "cluster":
             self._slots = self._node_of_slot
-        self.up = False
-        # Down past the lease last renewed: frames of sessions Redis holds wait.
-        self.lapsed = False
         self.on_lost: Callable[[str], None] | None = None  # a session another process took
         self.buffered_bytes = 0
         self._logs: dict[str, LogWrites] = {}
@@ -164,13 +150,8 @@ class RedisStore:
                               self._written, self._failed)  # fmt: skip
         self._state_lane = Lane("state", STATE_FLUSHES_IN_FLIGHT, self.topology,
                                 self._take_states, self._written, self._failed)  # fmt: skip
-        # The flush of each lane that carries a session's latest queued write, while it
-        # is not written yet (what a held frame of that session waits for).
-        self._log_due: dict[str, int] = {}
-        self._state_due: dict[str, int] = {}
         # Stored responses and background records: every held frame waits for a put.
         self.responses = ResponseWrites(self._state_lane)
-        self._waiters: list[_Waiter] = []
         # Leases to let go once what their sessions queued before is written: their tokens.
         self._letting_go: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -179,7 +160,9 @@ class RedisStore:
         # Reads (a resume's load, a takeover's lease) wait out a failover.
         self.reads = PatientReads(self.topology, self._closing)
         self.leases = Leases(process, lease_seconds, self.reads, self._closing)
-        self._lapse: asyncio.TimerHandle | None = None
+        # What a socket's frames wait for (the store is a wire's Hold through it).
+        self.holds = Holds(self._log_lane, self._state_lane, self.responses, self.leases,
+                           metrics, write_batch)  # fmt: skip
 
     @property
     def key_ttl_ms(self) -> int:
@@ -191,8 +174,8 @@ class RedisStore:
         with contextlib.suppress(RedisError, OSError):
             await self.topology.refresh()
             await self.client.ping()
-            self._set_up(True)
-        if not self.up:
+            self.holds.set_up(True)
+        if not self.holds.up:
             log.warning(
                 "session store %s does not answer: memory-only until it does",
                 redis_topology.safe(self.url),
@@ -301,8 +284,7 @@ class RedisStore:
             entry.token, entry.take, entry.renew = token, "", False
             mark(entry)
 
-        due = (self._log_due.get(session_id, 0), self._state_due.get(session_id, 0))
-        self._wait(_Waiter(due[0], due[1], queue, internal=True))
+        self.holds.after_written(session_id, queue)
 
     def _drop(self, session_id: str) -> None:
         self._owned.discard(session_id)
@@ -311,113 +293,28 @@ class RedisStore:
         self._log_top.pop(session_id, None)
         self._trimmed.pop(session_id, None)
 
-    # -- what held frames wait for ------------------------------------------------------
-
-    def due(self, session_id: str | None) -> tuple[int, int]:
-        """The flush of each lane (log, state) that writes what ``session_id`` queued so
-        far, its frames and its state, and any stored response queued so far (None: what
-        every session queued). A held frame waits for these, not other sessions' writes."""
-        if session_id is None:
-            return self._log_lane.next, self._state_lane.next
-        state_due = max(self._state_due.get(session_id, 0), self.responses.due)
-        return self._log_due.get(session_id, 0), state_due
-
-    def after(
-        self, due: tuple[int, int], callback: Callable[[], None], session: str | None = None
-    ) -> None:
-        """Run ``callback`` once the flushes ``due`` (see :meth:`due`) are written; while
-        Redis is down, at once, unless ``session``'s lease may have run out (``lapsed``);
-        never if ``session`` is lost to another process meanwhile."""
-        if not self.up and not (self.lapsed and session in self.leases.leased):
-            callback()
-            return
-        if not self.up:
-            due = (self._log_lane.next, self._state_lane.next)
-        self._wait(_Waiter(due[0], due[1], callback, time.perf_counter(), session))
-
-    def after_flush(self, callback: Callable[[], None], session: str | None = None) -> None:
-        """Run ``callback`` once everything queued now is in Redis (as :meth:`after`)."""
-        self.after((self._log_lane.next, self._state_lane.next), callback, session)
-
-    def _wait(self, waiter: _Waiter) -> None:
-        self._waiters.append(waiter)
-        log_lane, state_lane = self._log_lane, self._state_lane
-        # A lane with nothing to write still counts a flush, and calls back whoever waits.
-        if waiter.log > log_lane.done:
-            log_lane.wake.set()
-        if waiter.state > state_lane.done:
-            state_lane.wake.set()
-        if waiter.log <= log_lane.done and waiter.state <= state_lane.done:
-            # Nothing left to wait for, but never on the caller's stack (it may be about
-            # to hold the frame this callback sends): at the next flush of the log lane.
-            waiter.log = log_lane.next
-            log_lane.wake.set()
-
-    def _call_back(self, *, failed: bool = False) -> None:
-        """Run the callbacks whose flushes are written. ``failed``: Redis failed; the
-        sockets are not held meanwhile (those of sessions whose lease may have lapsed
-        are), and what the store itself waits for waits for the flushes that write again
-        what the failure took back."""
-        log_done, state_done = self._log_lane.done, self._state_lane.done
-        ready, waiting = [], []
-        for w in self._waiters:
-            if failed and (w.internal or (self.lapsed and w.session in self.leases.leased)):
-                w.log, w.state = self._log_lane.next, self._state_lane.next
-                waiting.append(w)
-            elif failed or (w.log <= log_done and w.state <= state_done):
-                ready.append(w)
-            else:
-                waiting.append(w)
-        self._waiters = waiting
-        held = self.metrics.store_hold_seconds if self.metrics is not None else None
-        now = time.perf_counter()
-        with self._write_batch:
-            for w in ready:
-                if held is not None and w.since:
-                    held.observe(now - w.since)
-                w.callback()
-
-    def _set_up(self, up: bool) -> None:
-        self.up = up
-        if up:
-            self.lapsed = False
-            if self._lapse is not None:
-                self._lapse.cancel()
-                self._lapse = None
-        if self.metrics is not None:
-            self.metrics.store_up.set(1 if up else 0)
+    # -- a lane's flush written, or failed --------------------------------------------
 
     def _failed(self, lane: Lane, exc: BaseException) -> None:
-        if self.up:
-            log.warning("session store write failed (%s): memory-only until it is back", exc)
-            delay = max(0.0, self.leases.valid_until - time.monotonic())
-            self._lapse = asyncio.get_running_loop().call_later(delay, self._lapsed)
-        self._set_up(False)
+        self.holds.down(exc)
         if self.metrics is not None:
             self.metrics.store_errors.inc()
-        self._call_back(failed=True)
-
-    def _lapsed(self) -> None:
-        """Down for longer than the lease last renewed: another process may hold it now."""
-        self._lapse = None
-        if not self.up:
-            log.warning("session store away past the lease: held sessions wait for it")
-            self.lapsed = True
+        self.holds.call_back(failed=True)
 
     def _written(self, lane: Lane, number: int, started: float, frame_bytes: int) -> None:
         """Flush ``number`` of ``lane`` (and every one before it) is in Redis."""
         self.buffered_bytes -= frame_bytes
-        if not self.up:
+        if not self.holds.up:
             log.info("session store is back: sessions are stored again")
-            self._set_up(True)
+            self.holds.set_up(True)
             self._resync()
         lane.done = number
         if self.metrics is not None:
             self.metrics.store_flush_seconds.observe(time.perf_counter() - started)
-        self._forget_written(lane)
+        self.holds.forget_written(lane, len(self._owned))
         # The sockets' releases (a transport write each) after this lane's next flush
         # has gone out, not before it: they are ready now, the next flush is not.
-        asyncio.get_running_loop().call_soon(self._call_back)
+        asyncio.get_running_loop().call_soon(self.holds.call_back)
 
     def _resync(self, session_ids: list[str] | None = None) -> None:
         """After a failure (a failover may have lost what a primary acknowledged): every
@@ -432,13 +329,6 @@ class RedisStore:
             if entry.take != "n":
                 entry.take = "r"
             self._log_entry(session_id).check = True
-
-    def _forget_written(self, lane: Lane) -> None:
-        due = self._log_due if lane is self._log_lane else self._state_due
-        if len(due) > 2 * len(self._owned) + 64:  # bounded: entries of written flushes go
-            done = lane.done
-            for session_id in [k for k, v in due.items() if v <= done]:
-                del due[session_id]
 
     # -- the flushes ----------------------------------------------------------------------
 
@@ -607,7 +497,7 @@ class RedisStore:
         if logs is not None:
             self.buffered_bytes -= sum(len(f) for _, f in logs.frames)
         self._states.pop(session_id, None)
-        self._waiters = [w for w in self._waiters if w.session != session_id]
+        self.holds.lost(session_id)
         log.warning("session %s: another gateway holds its lease now: it ends here", session_id)
         if self.metrics is not None:
             self.metrics.store_leases_lost.inc()
@@ -633,10 +523,7 @@ class RedisStore:
         log.info("session %s: the store lost frames after %d: written again", session_id, top)
         if self.metrics is not None:
             self.metrics.store_rewrites.inc()
-        following = self._log_lane.next
-        for w in self._waiters:
-            if w.session == session_id and w.log < following:
-                w.log = following
+        self.holds.rewriting(session_id)
 
     # -- the queues -------------------------------------------------------------------------
 
@@ -644,18 +531,14 @@ class RedisStore:
         entry = self._logs.get(session_id)
         if entry is None:
             entry = self._logs[session_id] = LogWrites()
-        lane = self._log_lane
-        self._log_due[session_id] = lane.next
-        lane.wake.set()
+        self.holds.queued(self._log_lane, session_id)
         return entry
 
     def _state_entry(self, session_id: str) -> StateWrites:
         entry = self._states.get(session_id)
         if entry is None:
             entry = self._states[session_id] = StateWrites()
-        lane = self._state_lane
-        self._state_due[session_id] = lane.next
-        lane.wake.set()
+        self.holds.queued(self._state_lane, session_id)
         return entry
 
     def _shed(self) -> None:
@@ -679,9 +562,9 @@ class RedisStore:
                 if not done.done():
                     done.set_result(None)
 
-            self.after_flush(flushed)
+            self.holds.after_flush(flushed)
             await done
-            if not self._letting_go or not self.up:
+            if not self._letting_go or not self.holds.up:
                 return
             await asyncio.sleep(0)  # the leases just queued: in the next flush
 
@@ -690,7 +573,7 @@ class RedisStore:
             "kind": "redis",
             "topology": self.topology.kind,
             "url": redis_topology.safe(self.url),
-            "up": self.up,
+            "up": self.holds.up,
             "sessions": len(self._owned),
             "buffered_bytes": self.buffered_bytes,
         }
