@@ -73,10 +73,11 @@ from gateway.cluster.store_writes import (
     StateWrites,
     append_args,
     append_call,
+    calls,
     channel,
-    groups,
     log_key,
     owner_key,
+    put_back,
     save_args,
     save_call,
 )
@@ -356,12 +357,7 @@ class RedisStore:
             )
             if p.frames:
                 tops[session_id] = p.frames[-1][0]
-        head = self._head()
-        commands: dict[str, list[tuple[Any, ...]]] = {}
-        order: dict[str, list[list[str]]] = {}
-        for node, slot_groups in groups(parts, self._slots).items():
-            commands[node] = [append_call(head, [(s, parts[s]) for s in g]) for g in slot_groups]
-            order[node] = slot_groups
+        commands, order = calls(append_call, self._head(), parts, self._slots)
 
         answered: set[str] = set()  # sessions whose node has replied
 
@@ -369,7 +365,7 @@ class RedisStore:
             for ids, reply in zip(order[node], answers, strict=True):
                 for session_id, status in zip(ids, store_scripts.statuses(reply), strict=True):
                     answered.add(session_id)
-                    self._logged(session_id, status, tops.get(session_id))
+                    self._answered(session_id, status, tops.get(session_id))
 
         def requeue() -> None:
             # Another node failed the flush after this one replied (a cluster's master
@@ -379,11 +375,14 @@ class RedisStore:
             # would log them twice, the second time under the wrong numbers.
             written = [taken.pop(s) for s in answered if s in taken]
             self.buffered_bytes -= sum(len(f) for p in written for _, f in p.frames)
-            self._requeue_logs(taken)
+            put_back(self._logs, taken)
 
         return Batch(commands, replies, requeue, frame_bytes)
 
-    def _logged(self, session_id: str, status: int, top: int | None) -> None:
+    def _answered(self, session_id: str, status: int, top: int | None = None) -> None:
+        """A script's status for ``session_id`` (store_scripts.py); a log append's can
+        also say that the log lacks frames (>= 0: its top + 1). ``top``: the last frame
+        the append carried."""
         if session_id not in self.leases.tokens:
             if status == store_scripts.LOST:
                 self._letting_go.pop(session_id, None)
@@ -398,17 +397,6 @@ class RedisStore:
                 self._log_top[session_id] = top
             if status == store_scripts.RETAKEN:
                 self._resync([session_id])
-
-    def _requeue_logs(self, taken: dict[str, LogWrites]) -> None:
-        for session_id, old in taken.items():
-            new = self._logs.get(session_id)
-            if new is None:
-                self._logs[session_id] = old
-                continue
-            new.frames[:0] = old.frames
-            new.token_ids.update(old.token_ids)
-            new.trim_before = new.trim_before or old.trim_before
-            new.check = new.check or old.check
 
     def _take_states(self) -> Batch:
         """What the state lane's next flush writes (with every lease renewed, at a
@@ -427,12 +415,7 @@ class RedisStore:
             p.token = p.token or self._token(session_id) or ""
             if p.token:
                 parts[session_id] = save_args(p)
-        head = self._head()
-        commands: dict[str, list[tuple[Any, ...]]] = {}
-        order: dict[str, list[list[str]]] = {}
-        for node, slot_groups in groups(parts, self._slots).items():
-            commands[node] = [save_call(head, [(s, parts[s]) for s in g]) for g in slot_groups]
-            order[node] = slot_groups
+        commands, order = calls(save_call, self._head(), parts, self._slots)
         for key, data, seconds in responses:
             node = self.topology.node_of(key) if self._slots is not None else ""
             commands.setdefault(node, []).append(store_responses.command(key, data, seconds))
@@ -443,7 +426,7 @@ class RedisStore:
             # The scripts' replies, then the stored responses' (OK, or a count).
             for ids, reply in zip(order.get(node, ()), answers, strict=False):
                 for session_id, status in zip(ids, store_scripts.statuses(reply), strict=True):
-                    self._saved(session_id, status)
+                    self._answered(session_id, status)
             waiting.discard(node)
             if renewal and not waiting:
                 # Every lease held was renewed when this flush went out (or found lost).
@@ -452,33 +435,10 @@ class RedisStore:
         requeue = lambda: self._requeue_states(taken, responses)  # noqa: E731
         return Batch(commands, replies, requeue)
 
-    def _saved(self, session_id: str, status: int) -> None:
-        if session_id not in self.leases.tokens:
-            if status == store_scripts.LOST:
-                self._letting_go.pop(session_id, None)
-            return
-        if status == store_scripts.LOST:
-            self._lose(session_id)
-            return
-        self.leases.leased.add(session_id)
-        if status == store_scripts.RETAKEN:
-            self._resync([session_id])
-
     def _requeue_states(
         self, taken: dict[str, StateWrites], responses: store_responses.Queued
     ) -> None:
-        for session_id, old in taken.items():
-            new = self._states.get(session_id)
-            if new is None:
-                self._states[session_id] = old
-                continue
-            new.token = new.token or old.token
-            new.state = new.state or old.state
-            new.take = new.take or old.take
-            new.renew = new.renew or old.renew
-            if new.release_for is None:
-                new.release_for = old.release_for
-            new.forget = new.forget or old.forget
+        put_back(self._states, taken)
         self.responses.requeue(responses)
 
     def _node_of_slot(self, slot: int) -> str:
