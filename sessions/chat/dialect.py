@@ -28,7 +28,9 @@ from sessions.chat import codec as cc
 from sessions.core import CallState, ResponseSpec, ResponseState, Session
 from sessions.errors import ProtocolError
 
-_DELTA = b'%b,"choices":[{"index":0,"delta":{"content":%b},"logprobs":null,"finish_reason":null}]}'
+# A chunk of text: the head object (id, object, created, model), still open, then the
+# choice; the head is spliced in once per response (ChatFraming.delta_ids).
+_DELTA = b'%b,"choices":[{"index":0,"delta":{"content":%%b},"logprobs":null,"finish_reason":null}]}'
 
 
 class ChatFraming:
@@ -45,10 +47,10 @@ class ChatFraming:
         return body  # chunks carry no number
 
     def delta_ids(self, response_id: str, item_id: str) -> bytes:
-        return self.head[:-1]  # the head object, still open
+        return _DELTA % self.head[:-1].replace(b"%", b"%%")  # the head object, still open
 
     def delta(self, seq: int, ids: bytes, text: str) -> bytes:
-        return _DELTA % (ids, orjson.dumps(text))
+        return ids % orjson.dumps(text)
 
 
 class ChatObserver(Protocol):

@@ -30,8 +30,12 @@ from sessions.core import (
 )
 from sessions.realtime import codec as rt
 
-_DELTA_HEAD = b'{"type":"response.output_text.delta","event_id":"event_'
-_DELTA_INDEXES = b',"output_index":0,"content_index":0,"delta":'
+# A response's text delta, as a template: its event id's tag, then (per delta) the number
+# twice and the text; the ids are spliced in once per response (RealtimeFraming.delta_ids).
+_DELTA = (
+    b'{"type":"response.output_text.delta","event_id":"event_%b_%%x","sequence_number":%%d'
+    b',"response_id":%b,"item_id":%b,"output_index":0,"content_index":0,"delta":%%b}'
+)
 
 _STATUS_REASON: dict[str, dict[str, Any]] = {
     "completed": {"type": "completed"},
@@ -60,21 +64,15 @@ class RealtimeFraming:
         )
 
     def delta_ids(self, response_id: str, item_id: str) -> bytes:
-        return b',"response_id":%b,"item_id":%b' % (
-            orjson.dumps(response_id),
-            orjson.dumps(item_id),
-        )
+        return _DELTA % (self._tag, _template(response_id), _template(item_id))
 
     def delta(self, seq: int, ids: bytes, text: str) -> bytes:
-        return b'%b%b_%x","sequence_number":%d%b%b%b}' % (
-            _DELTA_HEAD,
-            self._tag,
-            seq,
-            seq,
-            ids,
-            _DELTA_INDEXES,
-            orjson.dumps(text),  # escapes the text as JSON does
-        )
+        return ids % (seq, seq, orjson.dumps(text))  # orjson escapes the text as JSON does
+
+
+def _template(value: str) -> bytes:
+    """``value`` as a JSON string that can sit in a ``%`` template."""
+    return orjson.dumps(value).replace(b"%", b"%%")
 
 
 class RealtimeDialect:

@@ -47,9 +47,11 @@ MAX_LANES = 32
 MAX_WAITING = 1024  # turns waiting for a lane or a slot, per connection (memory bound)
 MAX_PENDING_STEERS = 8
 
+# A response's text delta, as a template: the number and the text per delta; its item id
+# (and lane) spliced in once per response (ResponsesFraming.delta_ids).
 _DELTA = (
-    b'{"type":"response.output_text.delta","sequence_number":%d%b'
-    b',"output_index":0,"content_index":0,"logprobs":[],"delta":%b}'
+    b'{"type":"response.output_text.delta","sequence_number":%%d%b'
+    b',"output_index":0,"content_index":0,"logprobs":[],"delta":%%b}'
 )
 
 log = logging.getLogger(__name__)
@@ -69,10 +71,12 @@ class ResponsesFraming:
         # The delta key is "response id" or "response id stream id" (see Lane.key).
         _, _, stream_id = response_id.partition(" ")
         ids = b',"item_id":%b' % orjson.dumps(item_id)
-        return ids + b',"stream_id":%b' % orjson.dumps(stream_id) if stream_id else ids
+        if stream_id:
+            ids += b',"stream_id":%b' % orjson.dumps(stream_id)
+        return _DELTA % ids.replace(b"%", b"%%")
 
     def delta(self, seq: int, ids: bytes, text: str) -> bytes:
-        return _DELTA % (seq, ids, orjson.dumps(text))
+        return ids % (seq, orjson.dumps(text))
 
 
 class _Prefill:
