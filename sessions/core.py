@@ -24,6 +24,7 @@ stream has ended.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import secrets
@@ -556,7 +557,13 @@ class Session:
             # Without tools the answer is text: its message item opens at once, so even
             # an answer cut before its first token leaves an (incomplete) item.
             self._open_text(response)
+            self._direct_text(response)
         return response
+
+    def _direct_text(self, r: ResponseState) -> None:
+        """``r``'s text is output 0 and nothing else will be: the scheduler hands its
+        deltas to the outbox directly (what :meth:`on_delta` would do, a call less)."""
+        r.job.on_text = functools.partial(self.outbox.put_delta, r.delta_key, r.item_id)
 
     def check_rate_limits(self) -> None:
         """Raise ``rate_limit_exceeded`` if the session's tenant may start no answer now
@@ -585,6 +592,8 @@ class Session:
         engine = self.scheduler.engine
         self._responses[r.job] = r
         self.dialect.response_continued(r)
+        if r.text_index == 0:
+            self._direct_text(r)
         if engine.can_continue and not r.calls and r.text_index == 0:
             r.job.request = replace(
                 r.job.request, continuation=r.prefix, continuation_token_ids=r.prefix_token_ids
