@@ -151,6 +151,15 @@ class HttpReply:
             return
         self._write(self._connection.emit(h11.Data(data=data)))
 
+    def write_framed(self, prefix: bytes, data: bytes, suffix: bytes) -> None:
+        """``write(prefix + data + suffix)``, framed in one go: a stream's per-token path
+        (an SSE event's lines around a frame, and the chunk around them)."""
+        if self._streaming:
+            size = len(prefix) + len(data) + len(suffix)
+            self._connection.transport_write(b"%x\r\n%b%b%b\r\n" % (size, prefix, data, suffix))
+            return
+        self.write(prefix + data + suffix)
+
     async def drain(self) -> None:
         """Until the transport has room again (at once if it has)."""
         await self._connection.drained()

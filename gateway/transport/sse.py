@@ -34,14 +34,25 @@ from gateway.transport.wire import MAX_HELD, Hold
 TERMINAL_TYPES = (b"response.completed", b"response.incomplete", b"response.failed")
 _TYPE = b'"type":"'
 
-Messages = Callable[[bytes], tuple[bytes, bool]]
-"""A frame's SSE message, and whether it ends the stream."""
+Messages = Callable[[bytes], tuple[bytes, bytes, bool]]
+"""What goes before and after a frame in its SSE message, and whether it ends the stream."""
+
+# A Responses text delta (its framing's template starts so): every token's event.
+_DELTA_START = b'{"type":"response.output_text.delta"'
+_DELTA_PREFIX = b"event: response.output_text.delta\ndata: "
+_END = b"\n\n"
 
 
-def responses_message(frame: bytes) -> tuple[bytes, bool]:
+def responses_message(frame: bytes) -> tuple[bytes, bytes, bool]:
+    if frame.startswith(_DELTA_START):
+        return _DELTA_PREFIX, _END, False
     start = frame.find(_TYPE) + len(_TYPE)
     event_type = frame[start : frame.find(b'"', start)]
-    return b"event: %b\ndata: %b\n\n" % (event_type, frame), event_type in TERMINAL_TYPES
+    return b"event: %b\ndata: " % event_type, _END, event_type in TERMINAL_TYPES
+
+
+_DATA = b"data: "
+_DONE = b"\n\ndata: [DONE]\n\n"
 
 
 def chat_messages(include_usage: bool) -> Messages:
@@ -49,10 +60,10 @@ def chat_messages(include_usage: bool) -> Messages:
     # a call's arguments) a quote is escaped, so no content can look like them.
     last = b'"choices":[]' if include_usage else b'"finish_reason":"'
 
-    def message(frame: bytes) -> tuple[bytes, bool]:
+    def message(frame: bytes) -> tuple[bytes, bytes, bool]:
         if last in frame or frame.startswith(b'{"error"'):
-            return b"data: %b\n\ndata: [DONE]\n\n" % frame, True
-        return b"data: %b\n\n" % frame, False
+            return _DATA, _DONE, True
+        return _DATA, _END, False
 
     return message
 
@@ -85,7 +96,13 @@ class SseWire:
             self._held += 1
             hold.after(hold.due(self.session_id), lambda: self._release(frame))
             return
-        self._send(frame)
+        # _send, inline: this is every token's way out.
+        prefix, suffix, last = self._messages(frame)
+        self._reply.write_framed(prefix, frame, suffix)
+        if last:
+            # The body's end goes with the last event, in the same write.
+            self._reply.end()
+            self._end()
 
     def _release(self, frame: bytes) -> None:
         self._held -= 1
@@ -94,8 +111,8 @@ class SseWire:
     def _send(self, frame: bytes) -> None:
         if self._ended:
             return
-        message, last = self._messages(frame)
-        self._reply.write(message)
+        prefix, suffix, last = self._messages(frame)
+        self._reply.write_framed(prefix, frame, suffix)
         if last:
             # The body's end goes with the last event, in the same write.
             self._reply.end()
