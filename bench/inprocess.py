@@ -22,9 +22,10 @@ import argparse
 import asyncio
 import cProfile
 import pstats
+import statistics
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from websockets.protocol import State
@@ -39,6 +40,7 @@ from gateway.transport.wire import SocketWire
 from sessions.dialects import REALTIME, RESPONSES, DialectContext
 
 PROMPT = "Tell me about the gateway"
+T = TypeVar("T")
 
 
 class CountingTransport:
@@ -84,8 +86,11 @@ def gateway(response_tokens: int) -> Gateway:
     return Gateway(engine, GatewayConfig(max_queued=100_000))
 
 
-async def stream_tokens(dialect: str, sessions: int, turns: int, response_tokens: int) -> float:
-    """CPU µs per token: ``sessions`` sessions of ``dialect``, each ``turns`` answers."""
+async def stream_tokens(
+    dialect: str, sessions: int, turns: int, response_tokens: int
+) -> list[float]:
+    """CPU µs per token of each turn: ``sessions`` sessions of ``dialect``, each ``turns``
+    answers (a turn: every session's answer, at once)."""
     gw = gateway(response_tokens)
     await gw.engine.start()
     context = DialectContext(gw.response_store)
@@ -101,10 +106,11 @@ async def stream_tokens(dialect: str, sessions: int, turns: int, response_tokens
     item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": PROMPT}]}
     create_item = orjson.dumps({"type": "conversation.item.create", "item": item}).decode()
     create = orjson.dumps({"type": "response.create", "input": PROMPT, "store": False}).decode()
-    tokens_before = gw.engine.tokens_generated
     await asyncio.sleep(0.05)
-    start = time.process_time()
+    figures = []
     for _ in range(turns):
+        tokens_before = gw.engine.tokens_generated
+        start = time.process_time()
         for session in opened:
             if dialect == "realtime":
                 await session.deliver(session.dialect.decode(create_item))
@@ -114,14 +120,14 @@ async def stream_tokens(dialect: str, sessions: int, turns: int, response_tokens
         await all_ended.wait()
         all_ended.clear()
         ended[0] = 0
-    spent = time.process_time() - start
-    tokens = gw.engine.tokens_generated - tokens_before
+        spent = time.process_time() - start
+        figures.append(1e6 * spent / max(gw.engine.tokens_generated - tokens_before, 1))
     for session in opened:
         session.close()
     await gw.table.wait_ended(5)
     await gw.scheduler.close()
     await gw.engine.close()
-    return 1e6 * spent / max(tokens, 1)
+    return figures
 
 
 class RequestTransport(CountingTransport):
@@ -152,11 +158,19 @@ class RequestTransport(CountingTransport):
         return False
 
 
-async def one_shot_requests(body_name: str, connections: int, requests: int) -> float:
-    """CPU µs per one-shot request (8-token answers), through the real HTTP service."""
-    from bench.requests import _MARK, ANSWER_TOKENS, bodies
+async def http_requests(
+    body_name: str,
+    connections: int,
+    requests: int,
+    *,
+    stream: bool = False,
+    response_tokens: int = 8,
+) -> tuple[float, float]:
+    """CPU µs per request and per token, each connection sending its next request when the
+    last one's answer has ended, through the real HTTP service."""
+    from bench.requests import _MARK, bodies
 
-    gw = gateway(ANSWER_TOKENS)
+    gw = gateway(response_tokens)
     await gw.engine.start()
     service = HttpService(
         gw._routes(),
@@ -166,14 +180,15 @@ async def one_shot_requests(body_name: str, connections: int, requests: int) -> 
         keepalive_timeout=5.0,
         write_batch=gw.write_batch,
     )
-    path, body = bodies()[body_name]
+    path, body = bodies(stream)[body_name]
+    before, after = body.split(_MARK)
     head = b"POST %b HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" % path
     finished = asyncio.Event()
     answered = [0]
     loop = asyncio.get_running_loop()
 
     def request(n: int) -> bytes:
-        numbered = body.replace(_MARK, b"%d" % n)
+        numbered = b"%b%d%b" % (before, n, after)
         return head + b"Content-Length: %d\r\n\r\n%b" % (len(numbered), numbered)
 
     def client(index: int) -> None:
@@ -194,14 +209,16 @@ async def one_shot_requests(body_name: str, connections: int, requests: int) -> 
         sent[0] += 1
         connection.data_received(request(index * requests))
 
+    tokens_before = gw.engine.tokens_generated
     start = time.process_time()
     for index in range(connections):
         client(index)
     await finished.wait()
     spent = time.process_time() - start
+    tokens = gw.engine.tokens_generated - tokens_before
     await gw.scheduler.close()
     await gw.engine.close()
-    return 1e6 * spent / answered[0]
+    return 1e6 * spent / answered[0], 1e6 * spent / max(tokens, 1)
 
 
 def _count_ends(dialect: Any, sessions: int, ended: list[int], all_ended: asyncio.Event) -> None:
@@ -218,7 +235,7 @@ def _count_ends(dialect: Any, sessions: int, ended: list[int], all_ended: asynci
     dialect.response_ended = response_ended
 
 
-def run(make: Callable[[], Coroutine[Any, Any, float]], loop: str, profile: bool) -> float:
+def run(make: Callable[[], Coroutine[Any, Any, T]], loop: str, profile: bool) -> T:
     profiler = cProfile.Profile() if profile else None
     with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
         if profiler is not None:
@@ -231,47 +248,65 @@ def run(make: Callable[[], Coroutine[Any, Any, float]], loop: str, profile: bool
     return result
 
 
+def _show(name: str, unit: str, figures: list[float]) -> None:
+    """The least of the figures (the one the other work on a shared machine disturbed
+    least: compare these between versions), and their median."""
+    median = statistics.median(figures)
+    print(f"{name:10} CPU µs per {unit}: least {min(figures):.2f}, median {median:.2f}")
+
+
+STREAMS = ("realtime", "responses")  # WebSocket dialects, one token per frame
+# HTTP loads: (body, streamed): one-shot requests, or SSE at one token per event.
+REQUESTS = {
+    "chat": ("chat", False),
+    "small": ("responses", False),
+    "codex": ("codex", False),
+    "sse": ("responses", True),
+    "sse-chat": ("chat", True),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.inprocess", description=__doc__)
     parser.add_argument("--loop", default="uvloop")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--sessions", type=int, default=50)
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=300)
     parser.add_argument("--profile", action="store_true", help="cProfile of the last round")
-    parser.add_argument("--requests", type=int, default=3000, help="per round, one-shot")
+    parser.add_argument("--requests", type=int, default=1000, help="per round, one-shot")
     parser.add_argument(
-        "--only", choices=("realtime", "responses", "chat", "small", "codex"), action="append"
+        "--only", choices=(*STREAMS, *REQUESTS), action="append", help="(default: all)"
     )
     args = parser.parse_args(argv)
-    chosen = args.only or ("realtime", "responses", "chat", "small", "codex")
+    chosen = args.only or (*STREAMS, *REQUESTS)
     for name in chosen:
-        if name in ("realtime", "responses"):
+        if name in STREAMS:
+            turns: list[float] = []
+            for r in range(args.rounds):
+                turns += run(
+                    lambda d=name: stream_tokens(d, args.sessions, args.turns, args.tokens),
+                    args.loop,
+                    args.profile and r == args.rounds - 1,
+                )
+            _show(name, "token", turns)
             continue
-        body = "responses" if name == "small" else name
+        body, stream = REQUESTS[name]
         figures = [
             run(
-                lambda b=body: one_shot_requests(b, 32, args.requests),
+                lambda b=body, s=stream: http_requests(
+                    b,
+                    50 if s else 32,
+                    args.requests // 10 if s else args.requests,
+                    stream=s,
+                    response_tokens=args.tokens if s else 8,
+                ),
                 args.loop,
                 args.profile and r == args.rounds - 1,
             )
             for r in range(args.rounds)
         ]
-        shown = ", ".join(f"{f:.1f}" for f in figures)
-        print(f"{name:10} CPU µs per request: {sorted(figures)[len(figures) // 2]:.1f} ({shown})")
-    for dialect in [d for d in chosen if d in ("realtime", "responses")]:
-        figures = []
-        for r in range(args.rounds):
-            profile = args.profile and r == args.rounds - 1
-            figures.append(
-                run(
-                    lambda d=dialect: stream_tokens(d, args.sessions, args.turns, args.tokens),
-                    args.loop,
-                    profile,
-                )
-            )
-        shown = ", ".join(f"{f:.2f}" for f in figures)
-        print(f"{dialect:10} CPU µs per token: {sorted(figures)[len(figures) // 2]:.2f} ({shown})")
+        _show(name, "token" if stream else "request", [f[1] if stream else f[0] for f in figures])
     return 0
 
 

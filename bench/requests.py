@@ -157,11 +157,11 @@ def bodies(stream: bool = False) -> dict[str, tuple[bytes, bytes]]:
     }
     if stream:
         chat["stream_options"] = {"include_usage": True}
-    small = {"model": "default", "input": prompt, "store": False, "stream": False}
+    small = {"model": "default", "input": prompt, "store": False, "stream": stream}
     return {
         "chat": (b"/v1/chat/completions", _encoded(chat)),
         "responses": (b"/v1/responses", _encoded(small)),
-        "codex": (b"/v1/responses", _encoded(codex_body())),
+        "codex": (b"/v1/responses", _encoded(codex_body() | {"stream": stream})),
     }
 
 
