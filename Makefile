@@ -67,12 +67,15 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.run --profile
 	$(BIN)/python -m bench.writes
 	$(BIN)/python -m bench.requests
+	$(BIN)/python -m bench.logprobs --rev 819b085
 	$(BIN)/python -m bench.tls
 	$(BIN)/python -m bench.store
 	$(BIN)/python -m bench.tenants
 	$(BIN)/python -m bench.failover
 	$(BIN)/python -m bench.failover --replicas llamacpp
 	$(BIN)/python -m bench.takeover
+	$(BIN)/python -m bench.observability --rev 819b085
+	$(BIN)/python -m bench.structured
 
 # examples/notebook.ipynb in JupyterLab, on the project's own environment (its kernel is
 # $(VENV)'s Python). JupyterLab is installed into $(VENV) on first use. Start the gateway

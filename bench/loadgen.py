@@ -69,6 +69,8 @@ class Workload:
     chain: bool = True
     store: bool = False
     stream: bool = True
+    # Chat Completions: ask for log probabilities with this many alternatives (None: not).
+    logprobs: int | None = None
 
 
 @dataclass
@@ -645,6 +647,8 @@ class ChatHttpSession(HttpSession):
         }
         if w.stream:
             body["stream_options"] = {"include_usage": True}
+        if w.logprobs is not None:
+            body["logprobs"], body["top_logprobs"] = True, w.logprobs
         return body
 
     def _new_turn(self, record: bool) -> Any:

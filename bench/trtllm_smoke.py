@@ -20,6 +20,15 @@ one small model once and:
      with ``context_length_exceeded``, not ``engine_error``;
    - issue 31: a greedy answer continued from its first half's token ids (a takeover's
      continuation) equals the uninterrupted answer, its usage the whole answer's;
+   - issue 38 (log probabilities): what ``SamplingParams(logprobs=20, prompt_logprobs=20)``
+     really returns (printed), then a greedy answer through the adapter: every text delta
+     carries its tokens' log probabilities, one per generated token, their texts joined the
+     answer's, the sampled token the likeliest; the prompt's come first, one per prompt
+     token after the first; and a Chat Completions request with ``logprobs`` answers them;
+   - issue 38 structured: guided decoding (``--guided-decoding-backend``, llguidance by
+     default): an answer under a JSON Schema parses and holds to it, ``tool_choice``
+     ``required`` gives a call of the tool with arguments that hold to its parameters, and a
+     custom tool's Lark grammar is kept; each request goes as ``GuidedDecodingParams``;
    - item 3 (last, it destroys the engine; ``--skip-crash`` to leave it out): every worker
      process is killed mid-answer; the live answer must end ``failed`` with
      ``engine_unavailable``, ``/readyz`` must turn 503, and the event loop must never stall.
@@ -84,6 +93,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--skip-crash", action="store_true", help="leave out item 3 (it kills the worker)"
     )
+    parser.add_argument(
+        "--guided-decoding-backend",
+        choices=("llguidance", "xgrammar", "none"),
+        default="llguidance",
+        help="TensorRT-LLM's constrained decoder (issue 38's check needs one)",
+    )
     return parser.parse_args()
 
 
@@ -102,6 +117,9 @@ def settings(args: argparse.Namespace) -> TrtllmSettings:
         max_batch_size=args.max_batch_size,
         kv_cache_fraction=args.kv_cache_fraction,
         kv_cache_tokens=args.kv_cache_tokens,
+        guided_decoding_backend=None
+        if args.guided_decoding_backend == "none"
+        else args.guided_decoding_backend,
     )
 
 
@@ -356,6 +374,153 @@ async def check_continuation(engine: TrtllmEngine) -> None:
     record("issue 31", ok, why)
 
 
+async def check_guided(engine: TrtllmEngine) -> None:
+    """Issue 38: answers under guided decoding hold to what they were asked for."""
+    from gateway.engines import grammars
+    from gateway.engines.base import (
+        Constraint,
+        EngineError,
+        Finished,
+        GenerationRequest,
+        Message,
+        SamplingParams,
+        TextDelta,
+        Tool,
+        ToolCallDelta,
+    )
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "population": {"type": "integer"},
+            "landmarks": {"type": "array", "items": {"type": "string"}, "maxItems": 2},
+        },
+        "required": ["city", "population", "landmarks"],
+    }
+    patch = 'start: "*** Begin Patch\\n" LINE+ "*** End Patch"\nLINE: /[+-][^\\n]*\\n/\n'
+    weather = Tool("get_weather", "The weather in a city.", schema)
+    custom = Tool("apply_patch", "Edit files.", freeform=True, grammar=Constraint("lark", patch))
+    sampling = SamplingParams(max_output_tokens=160, temperature=0.0)
+    ask = (Message("user", "Describe Paris as JSON."),)
+    cases = {
+        "json schema": GenerationRequest(
+            "g1", ask, sampling, constraint=Constraint("json_schema", json.dumps(schema), "city")
+        ),
+        "required tool": GenerationRequest(
+            "g2", ask, sampling, tools=(weather,), tool_choice="required"
+        ),
+        "custom tool grammar": GenerationRequest(
+            "g3", (Message("user", "Add a line hello."),), sampling, tools=(custom,),
+            tool_choice="apply_patch",
+        ),
+    }  # fmt: skip
+    failures: list[str] = []
+    for label, request in cases.items():
+        try:
+            engine.check(request)
+            events = [e async for e in engine.stream(request)]
+        except EngineError as exc:
+            failures.append(f"{label}: {exc.code} {exc.message}")
+            continue
+        text = "".join(e.text for e in events if isinstance(e, TextDelta))
+        args = "".join(e.arguments for e in events if isinstance(e, ToolCallDelta))
+        end = events[-1]
+        if not isinstance(end, Finished) or end.reason not in ("stop", "tool_calls"):
+            failures.append(f"{label}: ended {end!r}")
+            continue
+        lenient = Constraint("json_schema", json.dumps(schema))
+        if label == "json schema":
+            held = grammars.accepts(grammars.grammar(lenient, lenient=True), text.strip())
+        elif label == "required tool":
+            held = grammars.accepts(grammars.grammar(lenient, lenient=True), args)
+        else:
+            given = json.loads(args)["input"]
+            held = grammars.accepts(grammars.grammar(Constraint("lark", patch)), given)
+        if not held:
+            failures.append(f"{label}: {(text or args)[:120]!r} does not hold")
+    backend = engine.settings.guided_decoding_backend
+    record(
+        "issue 38 structured",
+        not failures,
+        f"backend {backend}: " + ("; ".join(failures) or "all three answers held"),
+    )
+
+
+async def check_logprobs(engine: TrtllmEngine, http: str) -> None:
+    """Issue 38: the real API's log probabilities, and the adapter's reading of them."""
+    from tensorrt_llm import SamplingParams as TrtSampling
+
+    from gateway.engines.base import Finished, GenerationRequest, Message, PromptLogprobs
+    from gateway.engines.base import SamplingParams as Sampling
+    from gateway.engines.base import TextDelta as Delta
+
+    llm = engine.llm
+    raw = llm.generate_async(
+        chat_prompt(llm, QUESTIONS[1]),
+        TrtSampling(max_tokens=4, temperature=0.0, logprobs=20, prompt_logprobs=20),
+        streaming=True,
+    )
+    shapes = []
+    async for out in raw:
+        c = out.outputs[0]
+        first = c.logprobs_diff[0] if c.logprobs_diff else None
+        shapes.append(
+            f"{len(c.token_ids_diff)} ids, logprobs_diff {len(c.logprobs_diff)} of "
+            f"{type(first).__name__} ({len(first) if isinstance(first, dict) else '-'} entries), "
+            f"prompt_logprobs {len(c.prompt_logprobs or [])} for {len(out.prompt_token_ids)} "
+            "prompt tokens"
+        )
+    print("[issue 38] TensorRT-LLM's own outputs: " + " | ".join(shapes))
+    ask = GenerationRequest(
+        "smoke-logprobs",
+        (Message("user", QUESTIONS[1]),),
+        Sampling(max_output_tokens=24, temperature=0.0, logprobs=3, prompt_logprobs=1),
+    )
+    events = [e async for e in engine.stream(ask)]
+    deltas = [e for e in events if isinstance(e, Delta)]
+    prompts = [e for e in events if isinstance(e, PromptLogprobs)]
+    end = next((e for e in events if isinstance(e, Finished)), None)
+    logprobs = [lp for d in deltas for lp in d.logprobs or ()]
+    text = "".join(d.text for d in deltas)
+    problems = []
+    if not deltas or any(d.logprobs is None for d in deltas):
+        problems.append("a text delta without log probabilities")
+    if end is None or len(logprobs) != end.usage.output_tokens:
+        problems.append(f"{len(logprobs)} log probabilities for {end and end.usage.output_tokens}")
+    if "".join(lp.token for lp in logprobs) != text:
+        problems.append(f"their tokens read {''.join(lp.token for lp in logprobs)[:60]!r}")
+    if any(len(lp.top) != 3 or abs(lp.top[0].logprob - lp.logprob) > 1e-3 for lp in logprobs):
+        problems.append("a greedy token that is not its position's likeliest, or not 3 others")
+    if len(prompts) != 1 or events.index(prompts[0]) > events.index(deltas[0] if deltas else end):
+        problems.append("the prompt's log probabilities did not come once, first")
+    elif end is not None and len(prompts[0].tokens) != end.usage.input_tokens - 1:
+        problems.append(f"{len(prompts[0].tokens)} prompt entries for {end.usage.input_tokens}")
+    body = {"messages": [{"role": "user", "content": QUESTIONS[0]}], "logprobs": True}
+    chat = await asyncio.to_thread(_post, f"{http}/v1/chat/completions", {**body, "max_tokens": 8})
+    content = ((chat.get("choices") or [{}])[0].get("logprobs") or {}).get("content")
+    if not content:
+        problems.append(f"Chat Completions answered {str(chat)[:200]}")
+    why = "; ".join(problems) or (
+        f"{len(logprobs)} tokens' log probabilities (first {logprobs[0].token!r} "
+        f"{logprobs[0].logprob:.3f}), the prompt's {len(prompts[0].tokens)} first, "
+        f"Chat Completions {len(content or [])} entries"
+    )
+    record("issue 38", not problems, why)
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            answer: dict[str, Any] = json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        answer = json.loads(error.read())
+    return answer
+
+
 def _worker_limit(refusal: str | None) -> int | None:
     import re
 
@@ -482,6 +647,8 @@ async def gateway_mode(llm: Any, args: argparse.Namespace, builder: threading.Th
         )
         await check_context(engine, url)
         await check_continuation(engine)
+        await check_guided(engine)
+        await check_logprobs(engine, f"http://{base}")
         if args.skip_crash:
             record("item 3", None, "--skip-crash")
         else:

@@ -26,6 +26,7 @@ from gateway import engines
 from gateway.api import auth
 from gateway.config import GatewayConfig
 from gateway.engines.base import EngineError, EngineUnavailableError
+from gateway.observability import access_log
 from gateway.server import Gateway
 from gateway.transport import tls
 
@@ -123,6 +124,21 @@ def session_store_url(text: str) -> str:
     raise argparse.ArgumentTypeError("use memory, or redis://HOST:PORT/DB (rediss:// for TLS)")
 
 
+def otlp_url(text: str) -> str:
+    """``--otlp-traces-endpoint``: an ``http://`` or ``https://`` URL (OTLP/HTTP's whole
+    traces URL, usually ending in ``/v1/traces``)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise argparse.ArgumentTypeError("expected a URL like http://127.0.0.1:4318/v1/traces")
+    if importlib.util.find_spec("opentelemetry.sdk") is None:
+        raise argparse.ArgumentTypeError(
+            "needs opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http: pip install them"
+        )
+    return text.strip()
+
+
 def node_name(text: str) -> str:
     """``--node``: letters, digits and ``-``, so that session ids stay parseable."""
     if not re.fullmatch(r"[A-Za-z0-9-]{1,32}", text):
@@ -158,6 +174,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="INFO",
         metavar="LEVEL",
         help="debug, info, warning or error",
+    )
+    server.add_argument(
+        "--access-log",
+        type=str.lower,
+        choices=access_log.FORMATS,
+        default="text",
+        metavar="FORMAT",
+        help="request log: text, json or off",
+    )
+    server.add_argument(
+        "--otlp-traces-endpoint",
+        type=otlp_url,
+        metavar="URL",
+        help="export traces to this OTLP/HTTP URL",
     )
     server.add_argument(
         "--node",
@@ -463,6 +493,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         response_store_bytes=args.response_store_bytes,
         response_store_ttl=args.response_store_ttl,
         responses_max_age=args.responses_max_age,
+        access_log=args.access_log,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         served_model_names=tuple(args.served_model_name),
         hosted_tools=args.hosted_tools,
         background_retention=args.background_retention,
@@ -683,6 +715,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for handler in logging.getLogger().handlers:
         handler.addFilter(redact_secrets)
+    if args.access_log == "json":
+        # One JSON object a line, with nothing before it, for a log shipper to parse.
+        json_lines = logging.StreamHandler()
+        json_lines.addFilter(redact_secrets)
+        access = logging.getLogger(access_log.LOGGER)
+        access.addHandler(json_lines)
+        access.propagate = False
     if args.log_level != "DEBUG":
         # One line per connection and per HTTP GET is noise, and so is a traceback
         # for every malformed request a scanner sends; a failure of our own is not.

@@ -49,3 +49,5 @@ class GatewayConfig:
     responses_websocket: bool = True  # --no-responses-websocket: its upgrade answers 426
     hosted_tools: str = "ignore"  # --hosted-tools: "ignore" or "refuse" (OpenAI's own tools)
     responses_max_age: float = 3600.0  # seconds a Responses WebSocket may stay open; 0: no limit
+    access_log: str = "text"  # --access-log: text, json or off (gateway/observability/)
+    otlp_traces_endpoint: str | None = None  # --otlp-traces-endpoint: OTLP/HTTP; None: no traces

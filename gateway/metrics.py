@@ -64,6 +64,7 @@ _HOLD_BUCKETS = (
 _GAP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0)
 
 LabelValues = tuple[str, ...]
+ROUTE_STATUS = ("route", "status")
 
 
 class _Value:
@@ -130,7 +131,7 @@ class _Family:
         return family
 
 
-class _Histogram:
+class Histogram:
     """Counts per bucket (``le`` is inclusive, as Prometheus defines it) and a sum."""
 
     def __init__(self, name: str, doc: str, buckets: Sequence[float]) -> None:
@@ -148,20 +149,55 @@ class _Histogram:
     def count(self) -> int:
         return sum(self.counts)
 
-    def collect(self) -> Metric:
-        cumulative, running = [], 0
+    def cumulative(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        running = 0
         for bound, n in zip((*self.bounds, math.inf), self.counts, strict=True):
             running += n
-            cumulative.append((_bound(bound), running))
-        return HistogramMetricFamily(self.name, self.doc, buckets=cumulative, sum_value=self.sum)
+            out.append((_bound(bound), running))
+        return out
+
+    def collect(self) -> Metric:
+        return HistogramMetricFamily(
+            self.name, self.doc, buckets=self.cumulative(), sum_value=self.sum
+        )
+
+
+class HistogramFamily:
+    """A histogram per combination of label values."""
+
+    def __init__(
+        self, name: str, doc: str, buckets: Sequence[float], labelnames: Sequence[str]
+    ) -> None:
+        self.name = name
+        self.doc = doc
+        self.buckets = buckets
+        self.labelnames = tuple(labelnames)
+        self._children: dict[LabelValues, Histogram] = {}
+
+    def labels(self, **labels: str) -> Histogram:
+        key = tuple(labels[n] for n in self.labelnames)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = Histogram(self.name, self.doc, self.buckets)
+        return child
+
+    def collect(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
+        for key, child in self._children.items():
+            family.add_metric(list(key), child.cumulative(), child.sum)
+        return family
 
 
 def _bound(bound: float) -> str:
     return "+Inf" if bound == math.inf else repr(float(bound))
 
 
+_Any = _Family | Histogram | HistogramFamily
+
+
 class _Collector:
-    def __init__(self, metrics: list[_Family | _Histogram]) -> None:
+    def __init__(self, metrics: list[_Any]) -> None:
         self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
@@ -172,7 +208,7 @@ class _Collector:
 class Metrics:
     def __init__(self, worker: str = "0") -> None:
         self._worker = worker
-        self._all: list[_Family | _Histogram] = []
+        self._all: list[_Any] = []
         self.info = self._gauge("gateway_info", "Gateway worker; value 1.", ["worker", "engine"])
         self.sessions = self._gauge("gateway_sessions", "Sessions connected now.")
         self.sessions_total = self._counter(
@@ -223,9 +259,17 @@ class Metrics:
             "(--max-handshakes, the oldest goes) or shutdown.",
             ["reason"],
         )
-        self.ttft = self._histogram(
+        # The three below are observed once per request or answer, as its access log
+        # line is written (gateway/observability/): by route and status, as the line says.
+        self.request_duration = self._histograms(
+            "gateway_request_duration_seconds",
+            "HTTP requests and answers on a WebSocket, from the request's head (or the "
+            "response.create) to the end of its response (and answer), by route and status.",
+            _LATENCY_BUCKETS,
+        )
+        self.ttft = self._histograms(
             "gateway_time_to_first_token_seconds",
-            "From response.create admitted to the first delta.",
+            "From an answer asking for a slot to its first delta, by route and status.",
             _LATENCY_BUCKETS,
         )
         self.inter_token = self._histogram(
@@ -236,10 +280,15 @@ class Metrics:
             "From response.create to its end.",
             _LATENCY_BUCKETS,
         )
-        self.queue_wait = self._histogram(
+        self.queue_wait = self._histograms(
             "gateway_queue_wait_seconds",
-            "Time a response waited for an engine slot.",
+            "Time an answer waited for an engine slot, by route and status.",
             _LATENCY_BUCKETS,
+        )
+        self.trace_spans_dropped = self._counter(
+            "gateway_trace_spans_dropped_total",
+            "Spans not exported: the export queue was full or the collector refused them "
+            "(--otlp-traces-endpoint).",
         )
         self.abort_latency = self._histogram(
             "gateway_abort_confirm_seconds",
@@ -319,10 +368,17 @@ class Metrics:
         self._all.append(family)
         return family
 
-    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> _Histogram:
-        histogram = _Histogram(name, doc, buckets)
+    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+        histogram = Histogram(name, doc, buckets)
         self._all.append(histogram)
         return histogram
+
+    def _histograms(
+        self, name: str, doc: str, buckets: Sequence[float], labels: Sequence[str] = ROUTE_STATUS
+    ) -> HistogramFamily:
+        family = HistogramFamily(name, doc, buckets, labels)
+        self._all.append(family)
+        return family
 
     def set_engine(self, engine: str) -> None:
         self.info.labels(worker=self._worker, engine=engine).set(1)

@@ -34,7 +34,7 @@ import time
 from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 from gateway.engines.base import (
@@ -42,10 +42,13 @@ from gateway.engines.base import (
     EngineError,
     Finished,
     GenerationRequest,
+    Moved,
     Output,
+    PromptLogprobs,
     PromptTokens,
     StepOutput,
     TextDelta,
+    TokenLogprob,
     ToolCallDelta,
     Usage,
 )
@@ -60,13 +63,15 @@ CancelReason = Literal["client_cancelled", "disconnected", "server_shutdown"]
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """How a job ended. ``text`` is exactly the deltas delivered, joined."""
+    """How a job ended. ``text`` is exactly the deltas delivered, joined; ``logprobs``
+    their log probabilities, joined (None when the request asked for none)."""
 
     status: Status
     text: str
     usage: Usage
     error: EngineError | None = None
     cancel_reason: CancelReason | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class JobSink(Protocol):
@@ -75,6 +80,20 @@ class JobSink(Protocol):
     def on_delta(self, job: Job, text: str, token_ids: tuple[int, ...] = ()) -> None:
         """``token_ids``: what the text was decoded from, where the engine gave them
         (TextDelta.token_ids), for the session store's log; () otherwise."""
+
+    def on_logprobs_delta(
+        self,
+        job: Job,
+        text: str,
+        logprobs: tuple[TokenLogprob, ...],
+        token_ids: tuple[int, ...] = (),
+    ) -> None:
+        """A text delta of a request that asked for log probabilities, with its tokens'
+        (a method of its own: a request without them pays nothing for them)."""
+
+    def on_prompt_logprobs(self, job: Job, logprobs: PromptLogprobs) -> None:
+        """The prompt's own log probabilities (asked by SamplingParams.prompt_logprobs),
+        before the job's first delta."""
 
     def on_tool_call_delta(self, job: Job, delta: ToolCallDelta) -> None: ...
 
@@ -92,13 +111,18 @@ class Job:
     on_text: Callable[[str], None] | None = None
     state: Literal["new", "queued", "running", "done"] = "new"
     parts: list[str] = field(default_factory=list)
+    # The delivered text's log probabilities, when the request asked (set by _start).
+    logprobs: list[TokenLogprob] | None = None
     output_tokens: int = 0
     input_tokens: int = 0  # known once the engine reports the prompt's tokens
     cached_tokens: int = 0
     cancel_reason: CancelReason | None = None
     submitted_at: float = 0.0
     started_at: float = 0.0
+    first_token_at: float = 0.0
     last_token_at: float = 0.0  # also the watchdog's "last progress"
+    ended_at: float = 0.0
+    moves: tuple[float, ...] = ()  # when it moved to another replica mid-stream
 
     @property
     def request_id(self) -> str:
@@ -153,6 +177,11 @@ class Scheduler:
     @property
     def queued(self) -> int:
         return self._queued
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise the engine's :class:`InvalidRequestError` if it cannot constrain
+        ``request`` as asked (see ``Engine.check``): before the request is admitted."""
+        self.engine.check(request)
 
     def submit(self, job: Job) -> bool:
         """Queue ``job`` and start what fits. False (and nothing kept) if full."""
@@ -271,7 +300,8 @@ class Scheduler:
             self._start_tasks()
         job.state = "running"
         job.started_at = job.last_token_at = time.perf_counter()
-        self.metrics.queue_wait.observe(job.started_at - job.submitted_at)
+        if job.request.sampling.logprobs is not None and job.logprobs is None:
+            job.logprobs = []
         self._running[job.request_id] = job
         self._running_by_session[job.session_key] += 1
         self.tenants.running[job.tenant] += 1
@@ -309,6 +339,9 @@ class Scheduler:
         merged: dict[Job, list[str]] | None = (
             {} if self.merge_deltas and len(batch) > len(running) else None
         )
+        # The merged text's log probabilities, for jobs that asked for them (made when one
+        # does: a batch without them never builds it).
+        merged_logprobs: dict[Job, list[TokenLogprob]] | None = None
         # The inter-token histogram's counts, updated inline on the hot path below.
         gaps = self.metrics.inter_token
         gap_bounds, gap_counts, gap_sum = gaps.bounds, gaps.counts, 0.0
@@ -337,9 +370,24 @@ class Scheduler:
             elif isinstance(output, TextDelta) and not output.token_ids:
                 text = output.text
                 job.output_tokens += output.tokens
+                if output.logprobs is not None:
+                    if merged is None:
+                        self._deliver_logprobs(job, text, now, output.logprobs)
+                        continue
+                    if merged_logprobs is None:
+                        merged_logprobs = {}
+                    if (lps := merged_logprobs.get(job)) is None:
+                        merged_logprobs[job] = list(output.logprobs)
+                    else:
+                        lps += output.logprobs
             else:
                 if merged is not None and (earlier := merged.pop(job, None)):
-                    self._deliver(job, "".join(earlier), now)  # what came before it, first
+                    # What came before it, first.
+                    lps = merged_logprobs.pop(job, None) if merged_logprobs else None
+                    if lps is None:
+                        self._deliver(job, "".join(earlier), now)
+                    else:
+                        self._deliver_logprobs(job, "".join(earlier), now, tuple(lps))
                     if job.state == "done":  # its delivery failed
                         continue
                 try:
@@ -357,13 +405,17 @@ class Scheduler:
         gaps.sum += gap_sum
         if merged:
             for job, parts in merged.items():
-                self._deliver(job, parts[0] if len(parts) == 1 else "".join(parts), now)
+                text = parts[0] if len(parts) == 1 else "".join(parts)
+                if merged_logprobs and (lps := merged_logprobs.get(job)) is not None:
+                    self._deliver_logprobs(job, text, now, tuple(lps))
+                else:
+                    self._deliver(job, text, now)
 
     def _deliver(self, job: Job, text: str, now: float, token_ids: tuple[int, ...] = ()) -> None:
         if job.parts:
             self.metrics.inter_token.observe(now - job.last_token_at)
         else:
-            self.metrics.ttft.observe(now - job.submitted_at)
+            job.first_token_at = now
         job.last_token_at = now
         try:
             if token_ids:
@@ -377,6 +429,30 @@ class Scheduler:
             return
         job.parts.append(text)  # after it went out: the final text is what was sent
 
+    def _deliver_logprobs(
+        self,
+        job: Job,
+        text: str,
+        now: float,
+        logprobs: tuple[TokenLogprob, ...],
+        token_ids: tuple[int, ...] = (),
+    ) -> None:
+        """:meth:`_deliver`'s twin for a request that asked for log probabilities (kept
+        apart, so that one that did not pays nothing for them)."""
+        if job.parts:
+            self.metrics.inter_token.observe(now - job.last_token_at)
+        else:
+            job.first_token_at = now
+        job.last_token_at = now
+        try:
+            job.sink.on_logprobs_delta(job, text, logprobs, token_ids)
+        except Exception as exc:  # a bug costs its job, not the batch's other jobs
+            self._sink_failed(job, exc)
+            return
+        job.parts.append(text)
+        if job.logprobs is not None:
+            job.logprobs += logprobs
+
     def _sink_failed(self, job: Job, exc: Exception) -> None:
         log.exception("scheduler: delivering %s failed", job.request_id, exc_info=exc)
         self._draining[job.request_id] = time.perf_counter()
@@ -388,7 +464,10 @@ class Scheduler:
         carries its token ids (never merged: the ids go with their own text)."""
         if isinstance(output, TextDelta):
             job.output_tokens += output.tokens
-            self._deliver(job, output.text, now, output.token_ids)
+            if output.logprobs is None:
+                self._deliver(job, output.text, now, output.token_ids)
+            else:
+                self._deliver_logprobs(job, output.text, now, output.logprobs, output.token_ids)
             return
         if isinstance(output, ToolCallDelta):
             job.last_token_at = now
@@ -397,13 +476,22 @@ class Scheduler:
         elif isinstance(output, PromptTokens):
             job.last_token_at = now
             job.input_tokens, job.cached_tokens = output.input_tokens, output.cached_tokens
+        elif isinstance(output, PromptLogprobs):
+            job.last_token_at = now
+            job.sink.on_prompt_logprobs(job, output)
+        elif isinstance(output, Moved):
+            job.moves += (now,)
+            self.metrics.upstream_moves.inc()
         elif isinstance(output, Finished):
             if output.reason == "cancelled":  # the engine stopped it on its own
                 error = EngineError("engine_error", "the engine stopped the generation")
                 self._end(job, self._partial(job, "failed", error))
                 return
             status: Status = "incomplete" if output.reason == "length" else "completed"
-            self._end(job, Outcome(status, "".join(job.parts), output.usage))
+            outcome = Outcome(status, "".join(job.parts), output.usage)
+            if job.logprobs is not None:
+                outcome = replace(outcome, logprobs=tuple(job.logprobs))
+            self._end(job, outcome)
         elif isinstance(output, EngineError):
             self._end(job, self._partial(job, "failed", output))
 
@@ -457,11 +545,12 @@ class Scheduler:
 
     def _partial(self, job: Job, status: Status, error: EngineError | None = None) -> Outcome:
         usage = Usage(job.input_tokens, job.output_tokens, job.cached_tokens)
-        return Outcome(status, "".join(job.parts), usage, error, job.cancel_reason)
+        logprobs = tuple(job.logprobs) if job.logprobs is not None else None
+        return Outcome(status, "".join(job.parts), usage, error, job.cancel_reason, logprobs)
 
     def _finish(self, job: Job, outcome: Outcome) -> None:
         job.state = "done"
-        now = time.perf_counter()
+        job.ended_at = now = time.perf_counter()
         m = self.metrics
         m.finished.labels(status=outcome.status).inc()
         m.output_tokens.inc(outcome.usage.output_tokens)

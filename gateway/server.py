@@ -33,6 +33,7 @@ from gateway.cluster.store_relay import Inbound
 from gateway.config import GatewayConfig
 from gateway.engines.base import Engine, EngineError
 from gateway.metrics import Metrics
+from gateway.observability import Observability
 from gateway.scheduler import Scheduler
 from gateway.session_table import SessionTable
 from gateway.tenants import KeyEntry
@@ -60,6 +61,15 @@ class Gateway:
         self.config = config
         self.metrics = metrics or Metrics(config.worker)
         self.metrics.set_engine(engine.name)
+        # The access log, the spans and the latency histograms (gateway/observability/).
+        self.observability = Observability(
+            config.access_log,
+            metrics=self.metrics,
+            otlp_traces_endpoint=config.otlp_traces_endpoint,
+            provider_name=engine.name,
+            worker=config.worker,
+            untraced_routes=routes.UNTRACED_ROUTES,
+        )
         # What one batch of work writes to a socket leaves in one write (coalesce.py).
         self.write_batch = WriteBatch()
         self.scheduler = Scheduler(
@@ -77,11 +87,13 @@ class Gateway:
             self.metrics,
             worker_relay.owner_tag(config.node, config.worker),
             self._describe_sessions(),
+            self.observability,
         )
         self.response_store = ResponseStore(config.response_store_bytes, config.response_store_ttl)
         dialects = DialectContext(self.response_store, config.max_parallel_per_session)
         self.admission = Admission(self._credentials(), config.allowed_origins)
         self.scheduler.tenants.limits = self.admission.credentials.limits
+        self.observability.tenant_of = self.admission.tenant_of_http
         self.pending = Pending(config.max_handshakes, on_drop=self._handshake_dropped)
         self.store: RedisStore | None = None
         self.persistence: Persistence | None = None
@@ -113,6 +125,7 @@ class Gateway:
             self.store,
             self.persistence,
             self.write_batch,
+            self.observability,
         )
         self.responses_http = ResponsesHttp(
             config, self, self.table, self.admission, self.response_store, self.persistence
@@ -131,7 +144,6 @@ class Gateway:
         # Set when the engine fails for good (Engine._fail); the CLI then stops and exits.
         self.engine_failed = asyncio.Event()
         engine.on_failure = lambda _reason: self.engine_failed.set()
-        engine.on_moved = self.metrics.upstream_moves.inc
 
     @property
     def sessions(self) -> ValuesView[Session]:
@@ -171,6 +183,7 @@ class Gateway:
     def health(self) -> dict[str, object]:
         return {
             "status": "ok",
+            "ready": self.ready,  # what /readyz answers, beside which worker says it
             "engine": self.engine.name,
             "model": self.model,
             "engine_details": self.engine.describe(),
@@ -187,6 +200,7 @@ class Gateway:
         m.frames.set(frames)
         m.delta_frames.set(delta_frames)
         m.bytes_out.set(sent)
+        m.trace_spans_dropped.set(self.observability.spans_dropped)
         return m.render()
 
     def _routes(self) -> Router:
@@ -210,6 +224,7 @@ class Gateway:
             keepalive_timeout=self.config.keepalive_timeout,
             logger=log,
             write_batch=self.write_batch,
+            observability=self.observability,
         )
         if self.config.tls is not None:
             self._tls = tls.server_context(self.config.tls)
@@ -428,4 +443,5 @@ class Gateway:
             await self._inbound.close()
         if self.store is not None:
             await self.store.close()
+        await self.observability.close()
         self._server = None

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from gateway.config import GatewayConfig
 from gateway.metrics import Metrics
+from gateway.observability import Observability, Record
 from gateway.scheduler import CancelReason, Scheduler
 from sessions import codec
 from sessions.core import Dialect, Session, SessionConfig, SessionLimits
@@ -40,8 +41,10 @@ class SessionTable:
         metrics: Metrics,
         owner_tag: str,
         defaults: SessionConfig,
+        observability: Observability | None = None,
     ) -> None:
         self._config = config
+        self.observability = observability  # each session's answers' lines and spans
         self.scheduler = scheduler
         self.metrics = metrics
         self._owner_tag = owner_tag  # which process and worker holds a session, in its id
@@ -99,10 +102,12 @@ class SessionTable:
         *,
         kept: bool = True,
         tenant: str = "",
+        origin: Record | None = None,
     ) -> Session:
         """A new session and the task that runs it, until it ends (which may be long after
         its first connection closed: a dropped one waits detached for a resume).
-        ``kept``: the keeper saves it (False for what no client can resume)."""
+        ``kept``: the keeper saves it (False for what no client can resume); ``origin``: the
+        HTTP request or WebSocket connection it is made for (its answers' access log)."""
         session = Session(
             self.scheduler,
             self.new_outbox(framing, replay_bytes),
@@ -113,6 +118,8 @@ class SessionTable:
             session_id=session_id or self.new_session_id(),
             resume_token=resume_token,
             tenant=tenant,
+            observability=self.observability,
+            origin=origin,
         )
         self.register(session, kept=kept)
         return session

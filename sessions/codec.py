@@ -13,13 +13,14 @@ import enum
 import math
 import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
 import orjson
 
-from gateway.engines.base import TOOL_CHOICE_MODES, Role, Tool, ToolChoice
+from gateway.engines.base import TOOL_CHOICE_MODES, Role, TokenLogprob, Tool, ToolChoice
+from sessions import strict_schema
 from sessions.errors import ProtocolError
 
 JSON: TypeAlias = dict[str, Any]
@@ -251,18 +252,31 @@ def read_tools(r: Reader, extra_fields: frozenset[str] = frozenset()) -> tuple[T
 
 
 def function_tool(t: Reader, name: str) -> Tool:
-    """A function tool's description and JSON Schema ``parameters`` (an object's)."""
+    """A function tool's description, JSON Schema ``parameters`` (an object's) and
+    ``strict``: a strict tool's parameters must be inside OpenAI's strict subset."""
     description = t.optional_string("description") or ""
+    strict = t.obj.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise t.fail("strict", f"'{t.param('strict')}' must be a boolean.", "invalid_type")
     parameters = t.obj.get("parameters")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
+        if strict:
+            parameters |= {"required": [], "additionalProperties": False}
     elif not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
         raise t.fail(
             "parameters",
             f"'{t.param('parameters')}' must be a JSON Schema object with type 'object'.",
             "invalid_type" if not isinstance(parameters, dict) else "invalid_value",
         )
-    return Tool(name, description, parameters)
+    if strict and (why := strict_schema.violation(parameters)) is not None:
+        raise ProtocolError(
+            "invalid_function_parameters",
+            f"Invalid schema for function '{name}': {why}",
+            param=t.param("parameters"),
+            event_id=t.event_id,
+        )
+    return Tool(name, description, parameters, strict=bool(strict))
 
 
 def read_tool_choice(r: Reader) -> ToolChoice:
@@ -369,6 +383,37 @@ def error_event(err: ProtocolError) -> JSON:
             "param": err.param,
             "event_id": err.event_id,
         },
+    )
+
+
+def text_logprobs_json(logprobs: Sequence[TokenLogprob]) -> list[JSON]:
+    """The ``logprobs`` of a Responses text delta (and of ``response.output_text.done``):
+    a shape without bytes. A takeover reads them back from the event log
+    (:func:`text_logprobs_from`)."""
+    return [
+        {
+            "token": lp.token,
+            "logprob": lp.logprob,
+            "top_logprobs": [{"token": t.token, "logprob": t.logprob} for t in lp.top],
+        }
+        for lp in logprobs
+    ]
+
+
+def text_logprobs_from(data: list[JSON]) -> tuple[TokenLogprob, ...]:
+    """:func:`text_logprobs_json`'s list back as log probabilities; each token's bytes are
+    its text's UTF-8 (exact but for a token that is part of a character)."""
+    return tuple(
+        TokenLogprob(
+            lp["token"],
+            lp["logprob"],
+            lp["token"].encode(),
+            tuple(
+                TokenLogprob(t["token"], t["logprob"], t["token"].encode())
+                for t in lp.get("top_logprobs") or ()
+            ),
+        )
+        for lp in data
     )
 
 

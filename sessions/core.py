@@ -33,18 +33,24 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
 
 from gateway.engines.base import (
+    Constraint,
     EngineError,
     GenerationRequest,
+    InvalidRequestError,
+    LogprobsUnsupportedError,
     Message,
+    PromptLogprobs,
     SamplingParams,
+    TokenLogprob,
     Tool,
     ToolCallDelta,
     ToolChoice,
     Usage,
 )
 from gateway.metrics import Metrics
+from gateway.observability import Observability, Record, TraceContext
 from gateway.scheduler import CancelReason, Job, Outcome, Scheduler
-from sessions import codec, errors
+from sessions import codec, errors, observed
 from sessions.conversation import Conversation, Item
 from sessions.outbox import Outbox, Wire
 
@@ -92,6 +98,30 @@ class ResponseSpec:
     affinity_key: str | None = None  # the engine keeps this key's cache (its KV slot) warm
     metadata: dict[str, str] | None = None
     tag: object = None  # the dialect's own data for this response (its lane, its body...)
+    constraint: Constraint | None = None  # what the answer's text must match
+    parallel_tool_calls: bool = True
+    # The client's field that asked for log probabilities (sampling.logprobs): the param of
+    # the 400 an engine that cannot report them answers with.
+    logprobs_param: str = "logprobs"
+    model: str = ""  # the model the client named ("": the session's)
+    operation: str = "chat"  # what it is, as the GenAI conventions' gen_ai.operation.name
+
+    def request(
+        self, response_id: str, trace_context: tuple[tuple[str, str], ...] = ()
+    ) -> GenerationRequest:
+        """What the engine is asked for this response (``trace_context``: the W3C fields
+        that name its trace, for an engine that passes them on)."""
+        return GenerationRequest(
+            request_id=response_id,
+            messages=self.messages,
+            sampling=self.sampling,
+            affinity_key=self.affinity_key,
+            tools=self.tools if self.tool_choice != "none" else (),
+            tool_choice=self.tool_choice,
+            constraint=self.constraint,
+            parallel_tool_calls=self.parallel_tool_calls,
+            trace_context=trace_context,
+        )
 
 
 @dataclass(eq=False, slots=True)
@@ -131,6 +161,10 @@ class ResponseState:
     last_item_id: str | None = None  # its newest output item, where the next one goes
     prefix: str = ""  # text sent before a takeover (a continued answer's first part)
     prefix_token_ids: tuple[int, ...] = ()  # its tokens, where the engine gave them
+    prefix_logprobs: tuple[TokenLogprob, ...] = ()  # their log probabilities, if asked
+    record: Record | None = None  # its access log line and span (gateway/observability/)
+    # A takeover's: the trace parent and the span of the answer it continues.
+    continues: tuple[TraceContext | None, TraceContext | None] | None = None
 
     @property
     def in_conversation(self) -> bool:
@@ -174,8 +208,15 @@ class Dialect(Protocol):
     def text_opened(self, r: ResponseState) -> None:
         """``r``'s message item opened (output ``r.text_index``)."""
 
-    def text_delta(self, r: ResponseState, text: str) -> None:
-        """Text of a message that is not output 0 (output 0's goes to ``put_delta``)."""
+    def text_delta(
+        self, r: ResponseState, text: str, logprobs: tuple[TokenLogprob, ...] | None
+    ) -> None:
+        """Text of a message that is not output 0 (output 0's goes to ``put_delta``), with
+        its tokens' log probabilities when the response asked for them."""
+
+    def prompt_logprobs(self, r: ResponseState, logprobs: PromptLogprobs) -> None:
+        """The prompt's own log probabilities (``r.spec.sampling.prompt_logprobs`` asked for
+        them), before ``r``'s first delta."""
 
     def call_opened(self, r: ResponseState, call: CallState) -> None: ...
 
@@ -291,6 +332,8 @@ class Session:
         resume_token: str | None = None,
         greet: bool = True,
         tenant: str = "",
+        observability: Observability | None = None,
+        origin: Record | None = None,
     ) -> None:
         self.id = session_id or codec.new_id("sess")
         # Whose session this is (the key's tenant; "" with no keys): what it stores and
@@ -303,6 +346,11 @@ class Session:
         self.config = config or SessionConfig()
         self.limits = limits or SessionLimits()
         self.metrics = metrics
+        # Where each answer's access log line and span go (sessions/observed.py), and the
+        # request or connection its answers come from (the one it is on now).
+        self.observability = observability
+        self.origin = origin
+        self._ending_response = False  # response_ended runs: its error is no refusal
         self.conversation = Conversation()
         self._inbox = Inbox[_Inbound]()
         self._unhandled = 0
@@ -371,13 +419,21 @@ class Session:
         return None
 
     def resume(
-        self, token: str, last_sequence_number: int, wire: Wire, *, rotate: bool = True
+        self,
+        token: str,
+        last_sequence_number: int,
+        wire: Wire,
+        *,
+        rotate: bool = True,
+        origin: Record | None = None,
     ) -> str | None:
         """Send to ``wire`` from now on: the dialect's resumed event (if any), then every
         event numbered above ``last_sequence_number``, then live events. None on success,
         else the error code: ``session_not_found`` (ended, or a wrong token: a guess
         learns nothing) or ``resume_gap`` (some of those events are no longer kept).
-        ``rotate``: give the session a fresh token (the resumed event carries it)."""
+        ``rotate``: give the session a fresh token (the resumed event carries it).
+        ``origin``: the connection (or request) the client resumes on: its answers in
+        flight say they were resumed, and the next ones come from it."""
         code = self.can_resume(token, last_sequence_number)
         replay = self.outbox.replay_after(last_sequence_number)
         if code is not None or replay is None:
@@ -392,6 +448,12 @@ class Session:
         self.outbox.attach(wire, replay if resumed is None else [resumed, *replay])
         if self.metrics is not None:
             self.metrics.replayed_events.inc(len(replay))
+        if origin is not None:
+            self.origin = origin
+            for r in self._responses.values():
+                if r.record is not None:
+                    r.record.resumes += 1
+                    r.record.note("resume")
         return None
 
     def _token_matches(self, token: str) -> bool:
@@ -422,9 +484,25 @@ class Session:
     def on_delta(self, job: Job, text: str, token_ids: tuple[int, ...] = ()) -> None:
         response = self._responses[job]
         if response.text_index != 0:  # a response with tools: see _text_of_tool_response
-            self._text_of_tool_response(response, text)
+            self._text_of_tool_response(response, text, None)
             return
         self.outbox.put_delta(response.delta_key, response.item_id, text, token_ids)
+
+    def on_logprobs_delta(
+        self,
+        job: Job,
+        text: str,
+        logprobs: tuple[TokenLogprob, ...],
+        token_ids: tuple[int, ...] = (),
+    ) -> None:
+        response = self._responses[job]
+        if response.text_index != 0:
+            self._text_of_tool_response(response, text, logprobs)
+            return
+        self.outbox.put_delta(response.delta_key, response.item_id, text, token_ids, logprobs)
+
+    def on_prompt_logprobs(self, job: Job, logprobs: PromptLogprobs) -> None:
+        self.dialect.prompt_logprobs(self._responses[job], logprobs)
 
     def on_tool_call_delta(self, job: Job, delta: ToolCallDelta) -> None:
         response = self._responses[job]
@@ -499,9 +577,21 @@ class Session:
 
     def error(self, err: errors.ProtocolError) -> None:
         """Count ``err`` and let the dialect report it."""
+        self.note_refusal(err)
+        self.dialect.error(err)
+
+    def note_refusal(self, err: errors.ProtocolError) -> None:
+        """Count ``err``, and write it to the access log (an answer's failure, reported as
+        it ends, is that answer's line instead)."""
         if self.metrics is not None:
             self.metrics.errors.labels(code=err.code).inc()
-        self.dialect.error(err)
+        obs = self.observability
+        if obs is None or self._ending_response:
+            return
+        record = obs.refusal(self.origin, err.code, err.param, err.event_id)
+        if record is not None:
+            record.session_id, record.tenant = self.id, self.tenant
+            obs.release(record)
 
     def _begin_close(self, close: _Close) -> None:
         if self._closing is not None:
@@ -531,22 +621,30 @@ class Session:
         self, spec: ResponseSpec, *, response_id: str | None = None
     ) -> ResponseState | None:
         """Admit ``spec`` to the scheduler; None if it is full (the dialect says so).
+        Raises :class:`~sessions.errors.ProtocolError` (a 400) for what the engine cannot
+        do (``Engine.check``: log probabilities it does not report, ...).
 
         The dialect's ``response_started`` runs before this returns, and before the
         job's first step can reach the session."""
         self.check_rate_limits()
         response_id = response_id or codec.new_id("resp")
-        request = GenerationRequest(
-            request_id=response_id,
-            messages=spec.messages,
-            sampling=spec.sampling,
-            affinity_key=spec.affinity_key,
-            tools=spec.tools if spec.tool_choice != "none" else (),
-            tool_choice=spec.tool_choice,
-        )
+        record = self._observe(spec, response_id)
+        request = spec.request(response_id, self._trace_context(record))
+        try:
+            self.scheduler.check(request)
+        except InvalidRequestError as exc:
+            # Refused before anything is admitted: a 400, never unconstrained text and
+            # never an answer without the log probabilities it asked for.
+            param = spec.logprobs_param if isinstance(exc, LogprobsUnsupportedError) else None
+            if record is not None and self.observability is not None:
+                self.observability.not_admitted(record, exc.code, param)
+            raise errors.ProtocolError(exc.code, exc.message, param=param) from None
         job = Job(request, session_key=self.id, sink=self, tenant=self.tenant)
         response = ResponseState(response_id, self.free_item_id(), job, spec, response_id)
+        response.record = record
         if not self.scheduler.submit(job):
+            if record is not None and self.observability is not None:
+                self.observability.not_admitted(record, "overloaded")
             return None
         # The job may already be "running", but the engine's output reaches the session
         # only through the scheduler's fan-out task, after this handler returns: these
@@ -564,6 +662,31 @@ class Session:
         """``r``'s text is output 0 and nothing else will be: the scheduler hands its
         deltas to the outbox directly (what :meth:`on_delta` would do, a call less)."""
         r.job.on_text = functools.partial(self.outbox.put_delta, r.delta_key, r.item_id)
+
+    def _observe(
+        self,
+        spec: ResponseSpec,
+        response_id: str,
+        continues: tuple[TraceContext | None, TraceContext | None] | None = None,
+    ) -> Record | None:
+        if self.observability is None:
+            return None
+        return observed.answer_started(
+            self.observability,
+            self.origin,
+            session_id=self.id,
+            tenant=self.tenant,
+            response_id=response_id,
+            model=spec.model or self.config.model,
+            operation=spec.operation,
+            sampling=spec.sampling,
+            continues=continues,
+        )
+
+    def _trace_context(self, record: Record | None) -> tuple[tuple[str, str], ...]:
+        if self.observability is None:
+            return ()
+        return self.observability.trace_fields(record)
 
     def check_rate_limits(self) -> None:
         """Raise ``rate_limit_exceeded`` if the session's tenant may start no answer now
@@ -591,12 +714,16 @@ class Session:
         where it cannot, the response fails with ``gateway_restarted``."""
         engine = self.scheduler.engine
         self._responses[r.job] = r
+        r.record = self._observe(r.spec, r.id, r.continues or (None, None))
         self.dialect.response_continued(r)
         if r.text_index == 0:
             self._direct_text(r)
         if engine.can_continue and not r.calls and r.text_index == 0:
             r.job.request = replace(
-                r.job.request, continuation=r.prefix, continuation_token_ids=r.prefix_token_ids
+                r.job.request,
+                continuation=r.prefix,
+                continuation_token_ids=r.prefix_token_ids,
+                trace_context=self._trace_context(r.record),
             )
             if self.scheduler.submit(r.job):
                 return
@@ -631,16 +758,18 @@ class Session:
         r.text_index, r.previous_item_id = self._next_output(r, item)
         self.dialect.text_opened(r)
 
-    def _text_of_tool_response(self, r: ResponseState, text: str) -> None:
+    def _text_of_tool_response(
+        self, r: ResponseState, text: str, logprobs: tuple[TokenLogprob, ...] | None
+    ) -> None:
         """A text delta of a response with tools: its message opens with the first one.
         When a call came first the message is not output 0, which the outbox's merged
         deltas assume, so its deltas go out one event each (a rare order)."""
         if r.text_index is None:
             self._open_text(r)
         if r.text_index == 0:
-            self.outbox.put_delta(r.delta_key, r.item_id, text)
+            self.outbox.put_delta(r.delta_key, r.item_id, text, (), logprobs)
             return
-        self.dialect.text_delta(r, text)
+        self.dialect.text_delta(r, text, logprobs)
 
     def _open_call(self, r: ResponseState, delta: ToolCallDelta) -> CallState:
         call_id = delta.call_id or codec.new_id("call")
@@ -656,6 +785,9 @@ class Session:
         r = self._responses.pop(job)
         if r.prefix:
             outcome = replace(outcome, text=r.prefix + outcome.text)
+            if r.spec.sampling.logprobs is not None:
+                logprobs = r.prefix_logprobs + (outcome.logprobs or ())
+                outcome = replace(outcome, logprobs=logprobs)
         if r.in_conversation:
             # Every ending but a natural one leaves the items incomplete.
             status = "completed" if outcome.status == "completed" else "incomplete"
@@ -663,7 +795,14 @@ class Session:
                 self.conversation.finish(r.item_id, outcome.text, status)
             for call in r.calls.values():
                 self.conversation.finish(call.item_id, call.arguments, status)
-        self.dialect.response_ended(r, outcome)
+        self._ending_response = True
+        try:
+            self.dialect.response_ended(r, outcome)
+        finally:
+            self._ending_response = False
+        if r.record is not None and self.observability is not None:
+            calls = bool(r.calls)
+            observed.answer_ended(self.observability, r.record, r.job, outcome, calls=calls)
 
 
 def item_status(outcome: Outcome) -> str:

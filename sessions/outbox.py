@@ -14,14 +14,17 @@ The outbox is the one path to a session's socket, and it owns the order:
 - While the socket pushes back (or no socket is attached), consecutive text
   deltas of one response merge into one pending delta, like vLLM's
   ``RequestOutputCollector``: a slow reader costs memory proportional to the
-  text, not to the number of tokens, and the joined text is unchanged.
+  text, not to the number of tokens, and the joined text is unchanged. A
+  response that asked for log probabilities keeps them with its text: the merged
+  delta carries every merged token's, in order (counted against the byte cap).
   Anything else a client can make pile up is capped: past the cap the outbox
   drops what is pending, marks itself ``lost`` and calls ``on_overflow``.
 
 Nothing here imports the network (the socket end is a :class:`Wire`) or knows a
 wire format: the session's dialect gives a :class:`Framing`, which splices the
 number into an event and builds the one event per token, a text delta, from a
-template it makes once per response.
+template it makes once per response (with its tokens' log probabilities, for a
+response that asked for them).
 
 The common case, a token for a socket with room, is :meth:`Outbox.put_delta`'s first
 branch: a number, the framing's template, the replay buffer's append and one write, in
@@ -37,6 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from gateway.engines.base import TokenLogprob
 from sessions.codec import JSON, encode
 
 # Rough memory costs, so the byte cap means memory: a pending delta's event fields,
@@ -44,6 +48,9 @@ from sessions.codec import JSON, encode
 _DELTA_OVERHEAD = 160
 _PART_OVERHEAD = 64
 _MAX_PARTS = 256
+# A token's log probability: its object and text, and each of its alternatives.
+_LOGPROB_OVERHEAD = 120
+_TOP_LOGPROB_OVERHEAD = 100
 
 
 class Framing(Protocol):
@@ -61,6 +68,11 @@ class Framing(Protocol):
 
     def delta(self, seq: int, ids: bytes, text: str) -> bytes:
         """The text delta ``text`` of output 0 of the response ``ids`` names, numbered."""
+
+    def delta_logprobs(
+        self, seq: int, ids: bytes, text: str, logprobs: Sequence[TokenLogprob]
+    ) -> bytes:
+        """The same, with its tokens' log probabilities (a response that asked for them)."""
 
 
 class Wire(Protocol):
@@ -86,6 +98,8 @@ class _PendingDelta:
     item_id: str
     parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # the parts' (see put_delta)
+    logprobs: list[TokenLogprob] | None = None  # the parts' tokens', when asked for
+    logprob_bytes: int = 0  # what they count against the byte cap
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,10 +232,17 @@ class Outbox:
             self._append(body, len(body))
 
     def put_delta(
-        self, response_id: str, item_id: str, text: str, token_ids: tuple[int, ...] = ()
+        self,
+        response_id: str,
+        item_id: str,
+        text: str,
+        token_ids: tuple[int, ...] = (),
+        logprobs: Sequence[TokenLogprob] | None = None,
     ) -> None:
         """Queue (or send) one text delta; ``token_ids``: the tokens it was decoded from,
-        if the engine gave them, told to ``on_token_ids`` with the frame that carries it."""
+        if the engine gave them, told to ``on_token_ids`` with the frame that carries it;
+        ``logprobs``: their log probabilities, for a response that asked (None otherwise:
+        a response's deltas all have them or none do)."""
         if self._closed:
             return
         self._deltas_in += 1
@@ -232,7 +253,10 @@ class Outbox:
             self._seq = seq = self._seq + 1
             if response_id is not self._delta_response or item_id is not self._delta_item:
                 self._new_delta_ids(response_id, item_id)
-            frame = self._framing.delta(seq, self._delta_ids, text)
+            if logprobs is None:
+                frame = self._framing.delta(seq, self._delta_ids, text)
+            else:
+                frame = self._framing.delta_logprobs(seq, self._delta_ids, text, logprobs)
             if self.on_sent is not None:
                 self.on_sent(seq, frame)
             size = len(frame)
@@ -262,14 +286,19 @@ class Outbox:
             pending.parts.append(text)
             pending.token_ids += token_ids
             self._bytes += len(text) + _PART_OVERHEAD
+            if logprobs is not None:
+                self._bytes += _keep_logprobs(pending, logprobs)
             if len(pending.parts) >= _MAX_PARTS:  # one string, not thousands of small ones
                 self._bytes -= _PART_OVERHEAD * (len(pending.parts) - 1)
                 pending.parts = ["".join(pending.parts)]
             self._check_limits()
             return
         pending = _PendingDelta(response_id, item_id, [text], list(token_ids))
+        size = len(text) + _DELTA_OVERHEAD
+        if logprobs is not None:
+            size += _keep_logprobs(pending, logprobs)
         self._open[response_id] = pending
-        self._append(pending, len(text) + _DELTA_OVERHEAD)
+        self._append(pending, size)
 
     def close(self, code: int = 1000, reason: str = "") -> None:
         """Send what is pending, then close the socket with ``code``; accept nothing more."""
@@ -405,7 +434,7 @@ class Outbox:
             if self._open.get(entry.response_id) is entry:
                 del self._open[entry.response_id]
             self._bytes -= sum(map(len, entry.parts)) + _PART_OVERHEAD * (len(entry.parts) - 1)
-            self._bytes -= _DELTA_OVERHEAD
+            self._bytes -= _DELTA_OVERHEAD + entry.logprob_bytes
         return entry
 
     def _write(self, entry: _Entry) -> None:
@@ -432,7 +461,11 @@ class Outbox:
                 or entry.item_id is not self._delta_item
             ):
                 self._new_delta_ids(entry.response_id, entry.item_id)
-            frame = self._framing.delta(seq, self._delta_ids, "".join(entry.parts))
+            text = "".join(entry.parts)
+            if entry.logprobs is None:
+                frame = self._framing.delta(seq, self._delta_ids, text)
+            else:
+                frame = self._framing.delta_logprobs(seq, self._delta_ids, text, entry.logprobs)
             self._delta_frames += 1
             self._sent(seq, frame)
             if entry.token_ids and self.on_token_ids is not None:
@@ -495,3 +528,17 @@ class Outbox:
             wire.close(1008, "client is not reading its events")
         if self.on_overflow is not None:
             self.on_overflow()
+
+
+def _keep_logprobs(pending: _PendingDelta, logprobs: Sequence[TokenLogprob]) -> int:
+    """Add ``logprobs`` to what ``pending`` carries, after the earlier parts' (merging
+    keeps every token's, in order); returns the bytes they count."""
+    if pending.logprobs is None:
+        pending.logprobs = list(logprobs)
+    else:
+        pending.logprobs += logprobs
+    size = sum(
+        _LOGPROB_OVERHEAD + len(lp.token) + _TOP_LOGPROB_OVERHEAD * len(lp.top) for lp in logprobs
+    )
+    pending.logprob_bytes += size
+    return size

@@ -5,7 +5,8 @@ the session over when the one that held it is gone.
 a consistent state); :func:`restore` builds the session again on the process that takes
 it over, and :func:`continue_responses` picks its answers in flight up. The text such
 an answer had sent is not in the snapshot but in the event log (the frames that reached
-the client, with the token ids an engine gave for them): :func:`sent_text` reads it back.
+the client, with the token ids an engine gave for them, and the log probabilities a
+response that asked for them carries in them): :func:`sent_text` reads it back.
 """
 
 from __future__ import annotations
@@ -13,20 +14,23 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Mapping
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import orjson
 
 from gateway.engines.base import (
-    GenerationRequest,
+    Constraint,
     Message,
     SamplingParams,
+    TokenLogprob,
     Tool,
     ToolCall,
 )
 from gateway.metrics import Metrics
+from gateway.observability import Observability, Record, TraceContext, trace_context
 from gateway.scheduler import Job, Scheduler
+from sessions.codec import text_logprobs_from
 from sessions.conversation import Item
 from sessions.core import (
     CallState,
@@ -64,11 +68,33 @@ def item_from(data: JSON) -> Item:
 
 
 def tool_json(tool: Tool) -> JSON:
-    return {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
+    return {
+        "name": tool.name,
+        "description": tool.description,
+        "parameters": tool.parameters,
+        "strict": tool.strict,
+        "freeform": tool.freeform,
+        "grammar": constraint_json(tool.grammar),
+    }
 
 
 def tool_from(data: JSON) -> Tool:
-    return Tool(data["name"], data["description"], data["parameters"])
+    return Tool(
+        data["name"],
+        data["description"],
+        data["parameters"],
+        strict=data.get("strict", False),
+        freeform=data.get("freeform", False),
+        grammar=constraint_from(data.get("grammar")),
+    )
+
+
+def constraint_json(constraint: Constraint | None) -> JSON | None:
+    return None if constraint is None else asdict(constraint)
+
+
+def constraint_from(data: JSON | None) -> Constraint | None:
+    return None if data is None else Constraint(**data)
 
 
 def _message_json(m: Message) -> JSON:
@@ -112,6 +138,8 @@ def _spec_json(spec: ResponseSpec, dialect: Dialect) -> JSON:
         "affinity_key": spec.affinity_key,
         "metadata": spec.metadata,
         "tag": dialect.dump_tag(spec.tag),
+        "constraint": constraint_json(spec.constraint),
+        "parallel_tool_calls": spec.parallel_tool_calls,
     }
 
 
@@ -127,7 +155,34 @@ def _spec_from(data: JSON, dialect: Dialect) -> ResponseSpec:
         affinity_key=data["affinity_key"],
         metadata=data["metadata"],
         tag=dialect.load_tag(data["tag"]),
+        constraint=constraint_from(data.get("constraint")),
+        parallel_tool_calls=data.get("parallel_tool_calls", True),
     )
+
+
+def _trace_json(record: Record | None) -> JSON | None:
+    """Where an answer's trace goes on after a takeover: its parent (the client's context)
+    and its own span, which the continued answer's span links to."""
+    if record is None or (record.parent is None and record.own is None):
+        return None
+    return {
+        "parent": _context_json(record.parent),
+        "span": _context_json(record.own),
+    }
+
+
+def _context_json(context: TraceContext | None) -> list[str] | None:
+    return None if context is None else [context.traceparent, context.tracestate]
+
+
+def _trace_from(data: JSON | None) -> tuple[TraceContext | None, TraceContext | None] | None:
+    if not data:
+        return None
+
+    def context(value: list[str] | None) -> TraceContext | None:
+        return None if value is None else trace_context.parse(value[0], [value[1]])
+
+    return context(data.get("parent")), context(data.get("span"))
 
 
 # -- a whole session ---------------------------------------------------------------
@@ -146,6 +201,7 @@ def dump(session: Session, dialect_name: str) -> bytes:
             "delta_key": r.delta_key,
             "calls": len(r.calls),
             "spec": _spec_json(r.spec, session.dialect),
+            "trace": _trace_json(r.record),
         }
         for r in session.responses
         if not r.cancelling
@@ -175,6 +231,7 @@ def restore(
     token: str,
     limits: SessionLimits | None = None,
     metrics: Metrics | None = None,
+    observability: Observability | None = None,
 ) -> tuple[Session, list[ResponseState]]:
     """The session ``data`` describes, on this process, and its answers in flight (not
     yet started: see :func:`continue_responses`). ``token``: the one its client showed."""
@@ -189,6 +246,7 @@ def restore(
         resume_token=token,
         greet=False,
         tenant=data.get("tenant", ""),
+        observability=observability,
     )
     session.conversation_id = data["conversation_id"]
     for item in data["items"]:
@@ -196,15 +254,7 @@ def restore(
     in_flight = []
     for saved in data["responses"]:
         spec = _spec_from(saved["spec"], dialect)
-        request = GenerationRequest(
-            request_id=saved["id"],
-            messages=spec.messages,
-            sampling=spec.sampling,
-            affinity_key=spec.affinity_key,
-            tools=spec.tools if spec.tool_choice != "none" else (),
-            tool_choice=spec.tool_choice,
-        )
-        job = Job(request, session.id, session, tenant=session.tenant)
+        job = Job(spec.request(saved["id"]), session.id, session, tenant=session.tenant)
         r = ResponseState(saved["id"], saved["item_id"], job, spec, saved["delta_key"])
         r.text_index = saved["text_index"]
         r.previous_item_id = saved["previous_item_id"]
@@ -213,22 +263,34 @@ def restore(
         if saved["calls"]:
             # Calls cannot be continued half-way: it ends (see continue_response).
             r.calls[0] = CallState("", "", "", -1, None)
+        r.continues = _trace_from(saved.get("trace"))
         in_flight.append(r)
     dialect.load(data["dialect_state"])
     return session, in_flight
+
+
+@dataclass(frozen=True, slots=True)
+class SentText:
+    """What a response's text deltas among an event log carried."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...]
 
 
 def sent_text(
     frames: list[tuple[int, bytes]],
     item_id: str,
     token_ids: Mapping[int, tuple[int, ...]] | None = None,
-) -> tuple[str, tuple[int, ...]]:
+) -> SentText:
     """The text deltas of output item ``item_id`` among ``frames`` (an event log:
-    numbered frames), joined; and the token ids logged with them (``token_ids``, by
-    frame number), where the engine gave them."""
+    numbered frames), joined; the token ids logged with them (``token_ids``, by frame
+    number), where the engine gave them; and the log probabilities they carry (a Responses
+    delta's, for a response that asked: see sessions/responses/codec.py)."""
     needle = orjson.dumps(item_id)
     parts: list[str] = []
     ids: list[int] = []
+    logprobs: list[TokenLogprob] = []
     for seq, frame in frames:
         if b'"response.output_text.delta"' in frame and needle in frame:
             event = orjson.loads(frame)
@@ -236,7 +298,9 @@ def sent_text(
                 parts.append(event["delta"])
                 if token_ids:
                     ids += token_ids.get(seq, ())
-    return "".join(parts), tuple(ids)
+                if event.get("logprobs"):
+                    logprobs += text_logprobs_from(event["logprobs"])
+    return SentText("".join(parts), tuple(ids), tuple(logprobs))
 
 
 def continue_responses(
@@ -248,5 +312,6 @@ def continue_responses(
     """Go on with the answers in flight, each from the text its client already has (and
     the tokens it was generated from, where the log has them)."""
     for r in in_flight:
-        r.prefix, r.prefix_token_ids = sent_text(log, r.item_id, token_ids)
+        sent = sent_text(log, r.item_id, token_ids)
+        r.prefix, r.prefix_token_ids, r.prefix_logprobs = sent.text, sent.token_ids, sent.logprobs
         session.continue_response(r)

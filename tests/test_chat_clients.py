@@ -52,7 +52,11 @@ async def test_openai_node_runs_a_tool_loop(gw: RunningGateway) -> None:
 async def test_langchain_invokes_and_streams_with_usage(gw: RunningGateway) -> None:
     result = await run_sdk("langchain_chat.py", "stream", f"{gw.http_url}/v1", KEY, "local")
     assert result["invoke"] and result["invoke_finish"] == "stop"
-    assert result["chunks"] > 12 and result["text"] and result["finish"] == "stop"
+    # The answer comes in pieces: the role chunk, its text in one or more chunks (a
+    # gateway behind the engine's steps merges a step's tokens into one delta, losslessly)
+    # and the usage chunk. How many text chunks depends on the machine's load, not on
+    # LangChain: the count is not the check, the text and its usage are.
+    assert result["chunks"] >= 3 and result["text"] and result["finish"] == "stop"
     assert result["usage"]["output_tokens"] == 12
     assert result["usage"]["total_tokens"] == (
         result["usage"]["input_tokens"] + result["usage"]["output_tokens"]

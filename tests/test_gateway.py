@@ -27,6 +27,7 @@ async def test_health_and_routes(gw: RunningGateway) -> None:
     assert health.pop("engine_details") == gw.gateway.engine.describe()
     assert health == {
         "status": "ok",
+        "ready": True,
         "engine": "sim",
         "model": "sim",
         "worker": "0",

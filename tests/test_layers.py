@@ -12,15 +12,28 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Each layer and the layers it may import (itself included). Transport and the session
 # layer never see each other: bytes below, sessions above, joined by the host layer.
+# Telemetry (the metrics and gateway/observability/: the access log, the spans) is at the
+# bottom: the HTTP layer and the session core both write to it, and it imports neither.
 LAYERS: dict[str, set[str]] = {
-    "engines": {"engines"},
-    "sessions": {"sessions", "engines"},
-    "transport": {"transport"},
-    "host": {"host", "sessions", "transport", "engines"},
-    "cluster": {"cluster", "host", "sessions", "transport", "engines"},
-    "api": {"api", "cluster", "host", "sessions", "transport", "engines"},
-    "server": {"server", "api", "cluster", "host", "sessions", "transport", "engines"},
-    "main": {"main", "server", "api", "cluster", "host", "sessions", "transport", "engines"},
+    "telemetry": {"telemetry"},
+    "engines": {"engines", "telemetry"},
+    "sessions": {"sessions", "engines", "telemetry"},
+    "transport": {"transport", "telemetry"},
+    "host": {"host", "sessions", "transport", "engines", "telemetry"},
+    "cluster": {"cluster", "host", "sessions", "transport", "engines", "telemetry"},
+    "api": {"api", "cluster", "host", "sessions", "transport", "engines", "telemetry"},
+    "server": {"server", "api", "cluster", "host", "sessions", "transport", "engines", "telemetry"},
+    "main": {
+        "main",
+        "server",
+        "api",
+        "cluster",
+        "host",
+        "sessions",
+        "transport",
+        "engines",
+        "telemetry",
+    },
     "client": {"client"},  # the Python client library: it speaks the wire, nothing else
 }
 # The session core: what every dialect builds on, and which knows none of them.
@@ -38,7 +51,8 @@ def layer(module: str) -> str:
         "engines": "engines",
         "scheduler": "engines",
         "tenants": "engines",
-        "metrics": "engines",
+        "metrics": "telemetry",
+        "observability": "telemetry",
         "transport": "transport",
         "config": "host",
         "session_table": "host",
@@ -139,6 +153,8 @@ def test_the_rules_catch_what_they_forbid() -> None:
     assert "api" not in LAYERS["cluster"]
     assert layer("gateway.cluster.resumes") == "cluster"
     assert layer("sessions.core") == "sessions"
+    assert layer("gateway.observability.record") == "telemetry"
+    assert "transport" not in LAYERS["telemetry"] and "sessions" not in LAYERS["telemetry"]
     g = graph()
     assert "gateway.server" in g["gateway.__main__"]
     assert "sessions.core" in g["sessions.realtime.dialect"]

@@ -562,6 +562,9 @@ class Borrowed(Engine):
     async def close(self) -> None:
         pass
 
+    def check(self, request: GenerationRequest) -> None:
+        self.inner.check(request)
+
     def submit(self, request: GenerationRequest) -> None:
         self.inner.submit(request)
 

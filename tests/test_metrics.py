@@ -76,9 +76,12 @@ async def test_a_completed_response_moves_the_counters(gw: RunningGateway) -> No
         return value(after, name, **labels) - value(before, name, **labels)
 
     assert grew("gateway_responses_finished_total", status="completed") == 1
-    assert grew("gateway_time_to_first_token_seconds_count") == 1
+    # The latency histograms go by route and status, as the access log line says.
+    answer = {"route": "WS /v1/realtime", "status": "completed"}
+    assert grew("gateway_time_to_first_token_seconds_count", **answer) == 1
+    assert grew("gateway_request_duration_seconds_count", **answer) == 1
+    assert grew("gateway_queue_wait_seconds_count", **answer) == 1
     assert grew("gateway_response_duration_seconds_count") == 1
-    assert grew("gateway_queue_wait_seconds_count") == 1
     assert grew("gateway_output_tokens_total") == 100
     # A gateway that falls behind its engine merges a job's tokens of one batch into one
     # delta (and the outbox merges a slow reader's deltas into fewer frames), never more.
@@ -127,7 +130,8 @@ async def test_overload_and_cancel_are_counted(gw: RunningGateway) -> None:
     assert grew("gateway_error_events_total", code="overloaded") == 1
     assert grew("gateway_responses_finished_total", status="cancelled") == 1
     assert grew("gateway_responses_finished_total", status="completed") == 0
-    assert grew("gateway_time_to_first_token_seconds_count") == 1
+    cancelled = {"route": "WS /v1/realtime", "status": "cancelled"}
+    assert grew("gateway_time_to_first_token_seconds_count", **cancelled) == 1
     # The cancelled response's partial output is still counted.
     assert 1 <= grew("gateway_output_tokens_total") < 100
     # The engine lets go of the cancelled request at its next step: the slot is free.
@@ -141,13 +145,17 @@ def test_histogram_buckets_are_inclusive_and_cumulative() -> None:
     from gateway.metrics import Metrics
 
     m = Metrics()
+    ttft = m.ttft.labels(route="WS /v1/realtime", status="completed")
     for seconds in (0.001, 0.0015, 100.0):  # exactly on a bound, between two, past the last
-        m.ttft.observe(seconds)
+        ttft.observe(seconds)
+    m.ttft.labels(route="POST /v1/chat/completions", status="200").observe(0.5)
     samples = {
         (s.name, s.labels.get("le")): s.value
         for family in text_string_to_metric_families(m.render().decode())
         for s in family.samples
         if s.name.startswith("gateway_time_to_first_token")
+        and s.labels.get("route") == "WS /v1/realtime"
+        and s.labels.get("status") == "completed"
     }
     bucket = "gateway_time_to_first_token_seconds_bucket"
     assert samples[(bucket, "0.0005")] == 0

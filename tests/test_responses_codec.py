@@ -213,7 +213,12 @@ def test_fields_that_ask_for_nothing_a_text_engine_lacks_are_accepted() -> None:
 
 
 def test_tools_and_tool_choice() -> None:
-    weather = {"type": "object", "properties": {"city": {"type": "string"}}}
+    weather = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
     body = create(
         tools=[
             {
@@ -489,7 +494,12 @@ REFUSALS: list[tuple[str | bytes, str, str | None]] = [
     (_create(stream_id=7), "invalid_stream_id", "stream_id"),
     (_create(truncation="sometimes"), "invalid_value", "truncation"),
     (_create(text="plain"), "invalid_type", "text"),
-    (_create(text={"format": {"type": "json_schema"}}), "unsupported_value", "text.format.type"),
+    (
+        _create(text={"format": {"type": "json_schema"}}),
+        "missing_required_parameter",
+        "text.format.name",
+    ),
+    (_create(text={"format": {"type": "grammar"}}), "invalid_value", "text.format.type"),
     (_create(text={"format": "text"}), "invalid_type", "text.format"),
     # input
     (_create(input=5), "invalid_type", "input"),

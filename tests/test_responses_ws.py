@@ -29,7 +29,12 @@ WEATHER = {
     "type": "function",
     "name": "get_weather",
     "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
     "strict": True,
 }
 
@@ -243,7 +248,14 @@ async def test_unknown_events_are_refused_and_response_processed_is_ignored() ->
     [
         ({"input": 3}, "invalid_type", "input"),
         ({"input": "x", "temperature": 9}, "invalid_value", "temperature"),
-        ({"input": "x", "text": {"format": {"type": "json_object"}}}, "unsupported_value", None),
+        (
+            {
+                "input": "x",
+                "text": {"format": {"type": "json_schema", "name": "a", "strict": True}},
+            },
+            "invalid_json_schema",
+            "text.format.schema",
+        ),
         ({"input": "x", "frobnicate": 1}, "unknown_parameter", "frobnicate"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "unsupported_value", None),
         ({"input": "x", "tool_choice": "required"}, "invalid_value", "tool_choice"),

@@ -82,7 +82,7 @@ async def test_sdk_multi_turn_and_cancel() -> None:
 async def test_sdk_tool_call_and_output_round_trip() -> None:
     out = await realtime_client(SimEngine(step_ms=2), "tool_round_trip")
     assert out["call"] == {"type": "function_call", "name": "get_weather", "status": "completed"}
-    assert json.loads(out["arguments"]) == {"text": "Use get_weather for Paris."}
+    assert json.loads(out["arguments"]) == {"city": "Use get_weather for Paris."}
     assert len(out["deltas"]) >= 2 and "".join(out["deltas"]) == out["arguments"]
     types = out["types"][out["types"].index("response.created") :]
     assert types[:4] == [

@@ -264,26 +264,39 @@ async def test_a_busy_tenant_does_not_starve_another(tmp_path: Any) -> None:
         assert bob < times[3], "Bob waited behind Alice's queue"
 
 
-@pytest.mark.parametrize("level", ["debug", "info"])
-async def test_no_log_line_holds_a_key_or_a_client_secret(level: str) -> None:
-    flags = ("--api-key", ALICE, "--log-level", level)
+@pytest.mark.parametrize(("level", "access_log"), [("debug", "text"), ("info", "json")])
+async def test_no_log_line_holds_a_key_or_a_client_secret(level: str, access_log: str) -> None:
+    flags = ("--api-key", ALICE, "--log-level", level, "--access-log", access_log)
     async with gateways("memory", 1, *flags, step_ms=1, tokens=3) as (g,):
         async with httpx.AsyncClient(base_url=f"http://{g.address}", headers=auth(ALICE)) as http:
             secret = (await http.post("/v1/realtime/client_secrets", json={})).json()["value"]
             await http.post("/v1/responses", json={"input": "hi"})
+            wrong = await http.get("/v1/models", headers=auth(ALICE + "-wrong"))
+            assert wrong.status_code == 401
         async with RawClient.connect(g.url(), additional_headers=auth(ALICE)) as c:
             token = c.events[0]["resume_token"]
+            session_id = c.events[0]["session"]["id"]
             await c.respond()
+            c.ws.transport.abort()  # dropped: resumed below with the token in the query
         subprotocols: Any = ["realtime", f"openai-insecure-api-key.{secret}"]
         async with RawClient.connect(g.url(), subprotocols=subprotocols) as c:
             await c.respond()
         url = g.url("/v1/responses")
         async with ResponsesClient.connect(url, additional_headers=auth(secret)) as r:
             await r.respond(input="hi")
+            responses_token = r.resume_token
+            query = f"?session_id={r.session_id}&resume_token={responses_token}"
+            r.ws.transport.abort()
+        async with ResponsesClient.connect(url + query, additional_headers=auth(secret)):
+            pass
         await g.stop()
     text = "".join(g.log)
     assert "GET /v1/realtime" in text or level != "debug"  # DEBUG did log the requests
-    for found in (ALICE, secret, token):
+    # The access log's lines are there (names, ids) and hold no credential either.
+    access = [line for line in g.log if "gateway.access" in line or line.startswith("{")]
+    assert len(access) >= 8 and session_id in "".join(access)
+    assert "tenant=key-" in "".join(access) or '"tenant":"key-' in "".join(access)
+    for found in (ALICE, secret, token, responses_token):
         assert found not in text, f"a credential in the {level} log"
 
 

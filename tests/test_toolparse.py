@@ -10,7 +10,6 @@ import pytest
 
 from gateway.engines import trtllm
 from gateway.engines.base import (
-    EngineError,
     Finished,
     GenerationRequest,
     Message,
@@ -127,12 +126,20 @@ async def test_trtllm_renders_the_tools_and_parses_the_models_calls(
     assert '"name": "get_weather"' in prompt  # the template had them
 
 
-async def test_trtllm_refuses_tools_for_a_model_without_a_call_format(
+async def test_trtllm_gives_tools_to_a_model_without_a_call_format_in_the_gateways_own(
     standin: ModuleType,  # noqa: F811
     engine: trtllm.TrtllmEngine,  # noqa: F811
 ) -> None:
+    """A template with no call format this gateway reads: the tools go in the system
+    prompt, the answer under the gateway's tool grammar (llguidance, the default backend)."""
     standin.controls.chat_template_text = "{{ messages }}"
-    with pytest.raises(EngineError) as info:
-        await collect(engine, tools_request())
-    assert info.value.code == "tools_unsupported"
-    assert "supported: hermes" in info.value.message
+    standin.controls.reply = '<tool_call name="get_weather">\n{}\n</tool_call>'
+    events = await collect(engine, tools_request())
+    assert isinstance(events[-1], Finished) and events[-1].reason == "tool_calls"
+    calls = [e for e in events if isinstance(e, ToolCallDelta)]
+    assert "".join(c.arguments for c in calls) == "{}" and calls[0].name == "get_weather"
+    record = standin.stats.requests[-1]
+    guide = record.sampling_params.guided_decoding
+    assert guide is not None and guide.grammar.startswith("%llguidance")
+    prompt = engine.llm.tokenizer.decode(record.prompt_token_ids, skip_special_tokens=False)
+    assert "- get_weather" in prompt and '<tool_call name="' in prompt

@@ -67,17 +67,26 @@ def gateway_workers() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
 
 
 def wait_until_serving(process: subprocess.Popen[bytes], base: str) -> None:
-    """Until some worker answers; skip if this build has no ``--workers`` yet."""
+    """Until every worker says it is ready; skip if this build has no ``--workers`` yet.
+
+    Each worker starts its own engine: one can answer while another is still loading
+    (and would refuse a WebSocket with 503), so one answer is not enough. The kernel
+    picks the worker of each new connection, so ask until each has said so.
+    """
     deadline = time.monotonic() + START_TIMEOUT
-    while get(f"http://{base}/healthz") is None:
-        if process.poll() is not None:
+    ready: set[str] = set()
+    while len(ready) < WORKERS:
+        body = get(f"http://{base}/healthz")
+        if body is not None and (health := json.loads(body))["ready"]:
+            ready.add(str(health["worker"]))
+        elif process.poll() is not None:
             assert process.stderr is not None
             error = process.stderr.read().decode(errors="replace")
             if process.returncode == 2 and "--workers" in error:
                 pytest.skip("this build does not accept --workers yet")
             pytest.fail(f"the gateway exited with {process.returncode}: {error}")
-        assert time.monotonic() < deadline, "no worker answered /healthz"
-        time.sleep(0.05)
+        assert time.monotonic() < deadline, f"only workers {sorted(ready)} became ready"
+        time.sleep(0.02)
 
 
 def workers_in_health(base: str) -> set[str]:

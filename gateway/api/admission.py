@@ -112,6 +112,14 @@ class Admission:
                 return tenant
         return auth.ANONYMOUS
 
+    def tenant_of_http(self, headers: Headers) -> str | None:
+        """The tenant an HTTP request's Bearer credential names, or None (no credential, or
+        a wrong one): for the access log of any route."""
+        if _malformed_credentials(headers) is not None:
+            return None
+        token = bearer(headers)
+        return self.credentials.tenant_of(token) if token else None
+
 
 def bearer(headers: Headers) -> str:
     """The token of ``Authorization: Bearer TOKEN`` ("" if there is none)."""

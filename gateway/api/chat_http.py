@@ -103,7 +103,12 @@ class ChatCompletionsHttp:
         framing = ChatFraming()
         waiter = Waiter()
         session = self._table.open(
-            ChatDialect(framing, waiter), framing, replay_bytes=0, kept=False, tenant=tenant
+            ChatDialect(framing, waiter),
+            framing,
+            replay_bytes=0,
+            kept=False,
+            tenant=tenant,
+            origin=request.record,
         )
         try:
             await session.deliver(command)

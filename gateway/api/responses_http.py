@@ -33,6 +33,7 @@ from gateway.api.waiter import Waiter
 from gateway.cluster.background import Remote, latest_response
 from gateway.cluster.persistence import Persistence
 from gateway.config import GatewayConfig
+from gateway.observability import Record
 from gateway.session_table import SessionTable
 from gateway.tenants import retry_after_header
 from gateway.transport.http1 import HttpReply, HttpRequest
@@ -102,12 +103,15 @@ class ResponsesHttp:
             return
         waiter = Waiter()
         dialect = ResponsesDialect(self.response_store, waiter)
+        if body.background and request.record is not None:
+            request.record.background = True  # its answer outlives it: a line of its own
         session = self._table.open(
             dialect,
             ResponsesFraming(),
             replay_bytes=BACKGROUND_REPLAY_BYTES if body.background else 0,
             kept=body.background,  # a plain answer dies with its request: no one resumes it
             tenant=tenant,
+            origin=request.record,
         )
         await session.deliver(rp.Create(body))
         try:
@@ -163,9 +167,18 @@ class ResponsesHttp:
             )
         return body
 
-    async def _stream(self, reply: HttpReply, session: Session, after: int, *, keep: bool) -> None:
+    async def _stream(
+        self,
+        reply: HttpReply,
+        session: Session,
+        after: int,
+        *,
+        keep: bool,
+        origin: Record | None = None,
+    ) -> None:
         """SSE of ``session``'s events after number ``after``, until its terminal event
-        (or the client goes: a plain response is then cancelled, a background one not)."""
+        (or the client goes: a plain response is then cancelled, a background one not).
+        ``origin``: a GET picking a background response up (its answer says so)."""
         code = session.can_resume(session.resume_token, after)
         if code is not None:
             _error(reply, _not_kept(code))
@@ -177,7 +190,7 @@ class ResponsesHttp:
         wire = SseWire(reply, hold=hold)
         with session.scheduler.write_batch:
             reply.start(200, SSE_HEADERS)
-            session.resume(session.resume_token, after, wire, rotate=False)
+            session.resume(session.resume_token, after, wire, rotate=False, origin=origin)
         await self._follow(session, wire, keep=keep)
 
     async def _follow(self, session: Session, wire: SseWire, *, keep: bool) -> None:
@@ -219,7 +232,9 @@ class ResponsesHttp:
             if isinstance(target, Remote):
                 await self._relay(reply, target, int(after))
             else:
-                await self._stream(reply, target.session, int(after), keep=True)
+                await self._stream(
+                    reply, target.session, int(after), keep=True, origin=request.record
+                )
             return
         live = self.background.get(response_id, tenant)
         body = live.waiter.body if live is not None else None

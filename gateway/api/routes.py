@@ -23,6 +23,8 @@ RESPONSES_PATH = "/v1/responses"
 WEBSOCKET_PATHS = (REALTIME_PATH, RESPONSES_PATH)
 CLIENT_SECRETS_PATHS = ("/v1/realtime/client_secrets", "/v1/realtime/client_secrets/")
 PAGE_CONFIG_PATH = "/page-config.json"
+# Probes, the scrape and the page: an access log line each, but no trace span.
+UNTRACED_ROUTES = ("/healthz", "/readyz", "/metrics", PAGE_CONFIG_PATH, "/", "/static/{name}")
 
 
 def router(

@@ -43,6 +43,7 @@ from gateway.cluster.redis_store import RedisStore
 from gateway.cluster.resumes import Resumes
 from gateway.config import GatewayConfig
 from gateway.metrics import Metrics
+from gateway.observability import REQUEST_ID, Observability, Record, peer_address
 from gateway.session_table import SessionTable
 from gateway.tenants import retry_after_header
 from gateway.transport.coalesce import WriteBatch
@@ -76,8 +77,10 @@ class WebSocketEndpoint:
         store: RedisStore | None = None,
         persistence: Persistence | None = None,
         write_batch: WriteBatch | None = None,
+        observability: Observability | None = None,
     ) -> None:
         self._config = config
+        self._observability = observability or Observability("off")
         self._write_batch = write_batch
         self._state = state
         self._table = table
@@ -90,6 +93,10 @@ class WebSocketEndpoint:
         self._wires: set[SocketWire] = set()  # attached to a session's outbox
         # Each handshake's tenant, from process_request to handle() (gone with it).
         self._tenants: weakref.WeakKeyDictionary[ServerConnection, str] = (
+            weakref.WeakKeyDictionary()
+        )
+        # Each upgrade's access log record, from process_request to the connection's end.
+        self._origins: weakref.WeakKeyDictionary[ServerConnection, Record] = (
             weakref.WeakKeyDictionary()
         )
         self._stall_task: asyncio.Task[None] | None = None
@@ -110,6 +117,7 @@ class WebSocketEndpoint:
     # -- the handshake (websockets calls these for upgrades only) -----------------------
 
     def process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        self._origin(connection, request)
         try:
             refused = self._refuse_handshake(connection, request)
         except Exception:
@@ -153,10 +161,23 @@ class WebSocketEndpoint:
             return self._resumes.refuse_upgrade(request, tenant)
         return None
 
+    def _origin(self, connection: ServerConnection, request: Request) -> Record:
+        origin = self._origins.get(connection)
+        if origin is None:
+            path = request.path.partition("?")[0]  # never the query: a resume token's place
+            client = peer_address(connection.remote_address)
+            origin = self._observability.connection(path, request.headers, client)
+            self._origins[connection] = origin
+        return origin
+
     def process_response(
         self, connection: ServerConnection, request: Request, response: Response
     ) -> Response | None:
+        origin = self._origin(connection, request)
+        response.headers[REQUEST_ID] = origin.request_id or ""
         if response.status_code != 101:
+            self._origins.pop(connection, None)
+            self._observability.upgrade_refused(origin, response.status_code, request.headers)
             self._tenants.pop(connection, None)
         elif is_responses_upgrade(request):
             tenant = self._tenants.get(connection, ANONYMOUS)
@@ -166,56 +187,72 @@ class WebSocketEndpoint:
     # -- connections ----------------------------------------------------------------------
 
     async def handle(self, ws: ServerConnection) -> None:
+        origin = self._origins.pop(ws, None)
+        tenant = self._tenants.pop(ws, ANONYMOUS)
+        session: Session | None = None
+        try:
+            session = await self._handle(ws, origin, tenant)
+        finally:
+            if origin is not None:
+                session_id = session.id if session is not None else None
+                self._observability.connection_closed(origin, ws.close_code, session_id, tenant)
+
+    async def _handle(
+        self, ws: ServerConnection, origin: Record | None, tenant: str
+    ) -> Session | None:
+        """The connection's life; the session it ended with (None: none, or relayed)."""
         if self._state.stopping:  # the handshake finished after shutdown began
             await close_socket(ws, 1001, "server shutting down")
-            return
+            return None
         if self._full():
             # Handshakes that raced past the HTTP check: refuse at the WebSocket level.
             self._metrics.connections_refused.labels(status="1013").inc()
             await close_socket(ws, 1013, "too many sessions")
-            return
+            return None
         cap_kernel_send_buffer(ws)
         upgrade = self._resumes.take_upgrade(ws)
-        tenant = self._tenants.pop(ws, ANONYMOUS)
         forget_handshake(ws)
         if upgrade is None and self._table.scheduler.tenants.refuse_session(tenant) is not None:
             # Handshakes that raced past the check in process_request.
             self._metrics.tenant_refused.labels(tenant=tenant, reason="session").inc()
             await close_socket(ws, 1013, "rate_limit_exceeded: the key's max_sessions")
-            return
+            return None
         wire = SocketWire(ws, self._store, self._write_batch)
         self._wires.add(wire)
         api = "realtime" if upgrade is None else "responses"
         self._metrics.websocket_connections.labels(api=api).inc()
         session: Session | None
         if upgrade is None:
-            session = self._table.open(*REALTIME.make(self._dialects), tenant=tenant)
+            dialect, framing = REALTIME.make(self._dialects)
+            session = self._table.open(dialect, framing, tenant=tenant, origin=origin)
             session.outbox.attach(wire)
             self._check_url_model(ws, session)
         else:
             try:
-                session = await self._resumes.responses_session(upgrade, ws, wire)
+                session = await self._resumes.responses_session(upgrade, ws, wire, origin)
             except errors.ResumeRefused as refused:
                 self._wires.discard(wire)
                 await close_socket(ws, 4004, refused.code)
-                return
+                return None
             except errors.SessionRelayed:
                 self._wires.discard(wire)
-                return
+                return None
         max_age = self._config.responses_max_age
         expiry = None
         if upgrade is not None and max_age > 0:
             expiry = asyncio.get_running_loop().call_later(
                 max_age, session.call_soon, session.dialect.expire
             )
+        ended: Session | None = session
         try:
-            session = await self._read(ws, wire, session)
+            ended = await self._read(ws, wire, session)
         finally:
             if expiry is not None:
                 expiry.cancel()
             self._wires.discard(wire)
-            if session is not None:
-                await self._let_go(ws, wire, session)
+            if ended is not None:
+                await self._let_go(ws, wire, ended)
+        return ended
 
     def _check_url_model(self, ws: ServerConnection, session: Session) -> None:
         """A Realtime URL's ``?model=`` outside ``--served-model-name``: an error event after

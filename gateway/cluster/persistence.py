@@ -31,6 +31,7 @@ from redis.exceptions import RedisError
 
 from gateway.cluster.redis_store import Loaded, RedisStore
 from gateway.metrics import Metrics
+from gateway.observability import Record
 from gateway.session_table import SessionTable
 from gateway.transport.sse import SseWire
 from gateway.transport.wire import SocketWire
@@ -140,6 +141,10 @@ class Persistence:
             session.outbox.on_token_ids = None
             session.outbox.on_attach = None
             session.on_change = None
+            for r in session.responses:  # what this process ends of them is no cancel
+                if r.record is not None:
+                    r.record.handed_over = True
+                    r.record.note("handover")
             # At once, with no await before it: a frame numbered from now on would reach
             # the client without being in the log. What is pending still goes, after the
             # flush that logs it (the socket holds it till then).
@@ -174,9 +179,12 @@ class Persistence:
             raise ResumeRefused("session_not_found")
         return loaded
 
-    async def take_over(self, loaded: Loaded, token: str, last: int, wire: Wire) -> Session:
+    async def take_over(
+        self, loaded: Loaded, token: str, last: int, wire: Wire, origin: Record | None = None
+    ) -> Session:
         """Make the stored session this process's, its client on ``wire`` (replayed from
-        ``last``), its answers in flight going on; else raise :class:`ResumeRefused`."""
+        ``last``; ``origin``: its connection or request), its answers in flight going on;
+        else raise :class:`ResumeRefused`."""
         table = self._table
         session_id = loaded.state["id"]
         if not await self.store.acquire(session_id):
@@ -195,9 +203,11 @@ class Persistence:
             token=token,
             limits=table.limits,
             metrics=self._metrics,
+            observability=table.observability,
         )
         table.register(session)
-        code = session.resume(token, last, wire, rotate=kind.rotates_resume_token)
+        rotate = kind.rotates_resume_token
+        code = session.resume(token, last, wire, rotate=rotate, origin=origin)
         if code is not None:
             session.close("disconnected")
             self._metrics.takeovers.labels(outcome=code).inc()

@@ -29,6 +29,7 @@ from gateway.cluster.persistence import Persistence
 from gateway.cluster.redis_store import RedisStore
 from gateway.config import GatewayConfig
 from gateway.metrics import Metrics
+from gateway.observability import Record
 from gateway.session_table import SessionTable
 from gateway.transport.head_timers import refusal
 from gateway.transport.wire import CLOSE_TIMEOUT, SocketWire
@@ -141,9 +142,10 @@ class Resumes:
         return self._upgrades.pop(connection, None)
 
     async def responses_session(
-        self, upgrade: Upgrade, ws: ServerConnection, wire: SocketWire
+        self, upgrade: Upgrade, ws: ServerConnection, wire: SocketWire, origin: Record | None
     ) -> Session:
-        """The session a Responses upgrade named, on ``wire``: fresh or resumed."""
+        """The session a Responses upgrade named, on ``wire``: fresh or resumed (``origin``:
+        the connection, for the access log)."""
         if upgrade.in_store:
             return await self._from_store(
                 upgrade.session_id,
@@ -153,16 +155,23 @@ class Resumes:
                 wire,
                 None,
                 upgrade.tenant,
+                origin,
             )
         if upgrade.resume is None:
             dialect, framing = RESPONSES.make(self._dialects)
             session = self._table.open(
-                dialect, framing, upgrade.session_id, upgrade.token, tenant=upgrade.tenant
+                dialect,
+                framing,
+                upgrade.session_id,
+                upgrade.token,
+                tenant=upgrade.tenant,
+                origin=origin,
             )
             session.outbox.attach(wire)
             return session
         target = upgrade.resume
-        code = target.resume(upgrade.token, upgrade.last_sequence_number, wire, rotate=False)
+        last = upgrade.last_sequence_number
+        code = target.resume(upgrade.token, last, wire, rotate=False, origin=origin)
         self._count(code or "resumed")
         if code is not None:  # it went away between the upgrade's answer and now
             raise ResumeRefused("session_not_found")
@@ -229,6 +238,7 @@ class Resumes:
                 wire,
                 fresh,
                 fresh.tenant,
+                fresh.origin,
             )
         owner = relay.owner_of(event.session_id)
         if (
@@ -242,7 +252,7 @@ class Resumes:
             await self._relay_to_worker(c.worker_dir, owner, event, ws, wire, fresh)
         if event.session_id == fresh.id:  # the session this connection already has
             raise ResumeRefused("session_not_found")
-        target = self.take_over(event, wire, fresh.tenant)
+        target = self.take_over(event, wire, fresh.tenant, fresh.origin)
         _discard(fresh, wire)
         return target
 
@@ -275,7 +285,11 @@ class Resumes:
         raise ResumeRefused(code if code in errors.RESUME_ERRORS else "session_not_found")
 
     def take_over(
-        self, event: rt.SessionResume, wire: SocketWire, tenant: str | None = None
+        self,
+        event: rt.SessionResume,
+        wire: SocketWire,
+        tenant: str | None = None,
+        origin: Record | None = None,
     ) -> Session:
         """Attach ``wire`` to the session ``event`` names, if it is ``tenant``'s and its
         token and replay buffer allow; else raise :class:`ResumeRefused`. ``tenant`` None:
@@ -285,7 +299,7 @@ class Resumes:
         if target is not None and tenant is not None and target.tenant != tenant:
             target = None  # another tenant's: as if there were none
         code = (
-            target.resume(event.resume_token, event.last_sequence_number, wire)
+            target.resume(event.resume_token, event.last_sequence_number, wire, origin=origin)
             if target is not None and self._config.resume_window > 0
             else "session_not_found"
         )
@@ -307,6 +321,7 @@ class Resumes:
         wire: SocketWire,
         fresh: Session | None,
         tenant: str,
+        origin: Record | None,
     ) -> Session:
         """The session from the store on ``wire``: taken over (returned) or relayed to its
         owner (:class:`SessionRelayed`, once the relay has ended)."""
@@ -330,7 +345,7 @@ class Resumes:
             await store_relay.relay(ws, wire, store, loaded, last, greeting)
             raise SessionRelayed
         try:
-            taken = await persistence.take_over(loaded, token, last, wire)
+            taken = await persistence.take_over(loaded, token, last, wire, origin)
         except ResumeRefused as refused:
             self._count(refused.code)
             raise

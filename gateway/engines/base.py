@@ -8,6 +8,25 @@ requests at once, into :attr:`Engine.outputs`: text (and tool-call) deltas,
 then exactly one :class:`Finished` or :class:`EngineError` per request. One
 central scheduler task drains that channel and fans each batch out.
 
+Log probabilities ride only on requests that ask for them, so that the common
+output, a plain ``str`` (one token of text), stays the whole cost of a token:
+
+- ``SamplingParams.logprobs = N`` (0-20) asks for every generated token's log
+  probability and its ``N`` most likely alternatives. Every text output of such a
+  request is then a :class:`TextDelta` whose ``logprobs`` holds one
+  :class:`TokenLogprob` per token the text stands for, in order (``()`` where its
+  tokens were reported with earlier text); a request that asked for none gets
+  ``logprobs=None`` deltas or plain strings. Joined, a response's deltas' logprobs
+  are its answer's, whatever merged them on the way (the scheduler's fan-out, a
+  lagging reader's outbox): merging concatenates, in order.
+- ``SamplingParams.prompt_logprobs = N`` asks for the prompt's own tokens (a legacy
+  ``echo`` with ``logprobs``): one :class:`PromptLogprobs` output, before the first
+  delta.
+- An engine that cannot report what a request asks refuses it before admission
+  (:meth:`Engine.check` raises :class:`LogprobsUnsupportedError`: the client gets a
+  400 that says so), or, where it learns it only from its backend (an upstream
+  replica), ends it with that error; it never answers with an empty list.
+
 ``abort`` must stop the generation inside the engine (TensorRT-LLM:
 ``RequestOutput.abort()``; llama.cpp: the stream callback returns ``True``;
 upstream: the HTTP stream is closed; sim: dropped at the next step).
@@ -57,19 +76,50 @@ class Message:
     tool_call_id: str | None = None
 
 
+ConstraintKind = Literal["json_object", "json_schema", "lark", "regex"]
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What generated text must match: any JSON object, a JSON Schema, a Lark grammar
+    (LLGuidance's dialect) or a regular expression. Each engine asks its own constrained
+    decoder for it (gateway/engines/grammars.py) or refuses the request; it never
+    generates unconstrained text instead.
+
+    ``definition`` is the schema as JSON text, the grammar or the regex (empty for
+    ``json_object``): text, so that what the engines compile is cached by content.
+    """
+
+    kind: ConstraintKind
+    definition: str = ""
+    name: str = ""  # the schema's or the tool's name, for messages
+
+
 @dataclass(frozen=True, slots=True)
 class Tool:
-    """A function the model may call; ``parameters`` is a JSON Schema object."""
+    """A function the model may call; ``parameters`` is a JSON Schema object.
+
+    ``strict``: its arguments must be valid against ``parameters`` whenever it is called.
+    ``freeform``: a custom tool, whose input is free text (its arguments are
+    ``{"input": TEXT}``, as the dialects offer it); ``grammar``: what that text must match.
+    """
 
     name: str
     description: str = ""
     parameters: Mapping[str, Any] = field(default_factory=dict)
+    strict: bool = False
+    freeform: bool = False
+    grammar: Constraint | None = None
 
 
 ToolChoice = Literal["auto", "none", "required"] | str
 """``auto``, ``none``, ``required``, or the name of the one function the model must call."""
 
 TOOL_CHOICE_MODES = ("auto", "none", "required")
+
+
+MAX_TOP_LOGPROBS = 20  # the most alternatives a token's log probability comes with (OpenAI's)
+MIN_LOGPROB = -9999.0  # OpenAI's value for a token too unlikely to rank among the top 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +134,11 @@ class SamplingParams:
     # OpenAI Chat Completions' penalties, -2.0..2.0 (None: the engine's own default).
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    # Log probabilities (see the module docstring). None asks for none; N (0 to
+    # MAX_TOP_LOGPROBS): each generated token's, with its N most likely alternatives.
+    logprobs: int | None = None
+    # The prompt's own tokens' (a legacy echo), with N alternatives each; None: none.
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +156,23 @@ class GenerationRequest:
     # The token ids that text was generated from, where the engine reported them
     # (TextDelta.token_ids: TensorRT-LLM), so that it continues from exactly those tokens.
     continuation_token_ids: tuple[int, ...] = ()
+    # W3C Trace Context fields (traceparent, tracestate) naming the gateway's span for this
+    # answer (or the client's, when the gateway exports no traces): an engine that sends
+    # the generation to a server passes them on, so that its trace joins the client's.
+    trace_context: tuple[tuple[str, str], ...] = ()
+    # What the answer's text must match (a response format), or None: free text.
+    constraint: Constraint | None = None
+    parallel_tool_calls: bool = True  # False: at most one call
+
+    @property
+    def enforces_tools(self) -> bool:
+        """Whether a call must be made, or made valid, by constrained decoding: a required
+        or named choice, a strict tool, or a custom tool's grammar."""
+        if not self.tools:
+            return False
+        return self.tool_choice != "auto" or any(
+            t.strict or t.grammar is not None for t in self.tools
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,12 +187,47 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One token with its log probability (``logprob``, natural log, at least
+    :data:`MIN_LOGPROB`), as the engine decoded it: ``token`` its text, ``bytes`` its
+    UTF-8 bytes (a token that is part of a character has bytes that are no text of their
+    own), and ``top`` the most likely tokens at its position, most likely first, as many
+    as the request asked for (each a ``TokenLogprob`` with no ``top`` of its own)."""
+
+    token: str
+    logprob: float
+    bytes: bytes
+    top: tuple[TokenLogprob, ...] = ()
+
+
+def clamp_logprob(value: float) -> float:
+    """``value`` as OpenAI reports it: never below :data:`MIN_LOGPROB` (-inf, a zero
+    probability, has no JSON form; NaN becomes it too)."""
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB
+
+
+@dataclass(frozen=True, slots=True)
 class TextDelta:
     text: str
     tokens: int = 1  # tokens this text stands for, for usage when a stream is cut short
     # The ids of the tokens this text was decoded from, from an engine that continues an
     # answer from its token ids (TensorRT-LLM); kept in the store's log with the delta.
     token_ids: tuple[int, ...] = ()
+    # The log probabilities of the tokens this text stands for, in order, when the request
+    # asked for them (SamplingParams.logprobs); None when it did not. Their tokens' texts,
+    # joined, are ``text`` where the engine reports a token per piece of text.
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """The prompt's own tokens (SamplingParams.prompt_logprobs), reported once, before the
+    first delta: ``first`` is the prompt's first token, which nothing before it predicts
+    (it has no log probability: the legacy shape's ``null``); ``tokens`` are the others,
+    in order, each with its log probability given the tokens before it."""
+
+    first: str
+    tokens: tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +257,14 @@ class PromptTokens:
     cached_tokens: int = 0
 
 
-StreamEvent = TextDelta | ToolCallDelta | PromptTokens | Finished
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """The answer moved to another replica mid-stream (an engine with replicas): it goes
+    on there from its text so far. The scheduler counts it; the answer's log line and
+    span say so."""
+
+
+StreamEvent = TextDelta | ToolCallDelta | PromptTokens | PromptLogprobs | Moved | Finished
 """What :meth:`StreamingEngine.stream` yields."""
 
 
@@ -169,7 +283,9 @@ class EngineError(Exception):
         self.message = message
 
 
-Output: TypeAlias = str | TextDelta | ToolCallDelta | PromptTokens | Finished | EngineError
+Output: TypeAlias = (
+    str | TextDelta | ToolCallDelta | PromptTokens | PromptLogprobs | Moved | Finished | EngineError
+)
 """What an engine reports for one request. A plain ``str`` is one token of text (the
 common case, kept cheap); every request ends with one ``Finished`` or ``EngineError``."""
 
@@ -182,6 +298,14 @@ class InvalidRequestError(EngineError):
     template rejects); the client can fix it, so it is an ``invalid_request_error``."""
 
     error_type = "invalid_request_error"
+
+
+class LogprobsUnsupportedError(InvalidRequestError):
+    """The engine (or the replica it asked) cannot report the log probabilities the request
+    asks for: a 400 that says so, never an answer with an empty list."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("unsupported_value", message)
 
 
 class ContextOverflowError(InvalidRequestError):
@@ -211,6 +335,8 @@ class Engine(abc.ABC):
 
     name: str = "engine"
     can_continue: bool = False  # takes GenerationRequest.continuation
+    reports_logprobs: bool = False  # fills TextDelta.logprobs when a request asks
+    reports_prompt_logprobs: bool = False  # reports PromptLogprobs when a request asks
     default_instructions: str = ""  # a session's instructions until it sets its own
     # A session's temperature and top_p until it sets its own (None: the engine's own default).
     default_sampling: SamplingParams = SamplingParams()
@@ -228,9 +354,6 @@ class Engine(abc.ABC):
     def ready(self) -> bool:
         """True once :meth:`start` has finished loading; ``/readyz`` reports it."""
         return self._ready
-
-    on_moved: Callable[[], None] | None = None
-    """Called when an answer moves to another replica mid-stream (engines with replicas)."""
 
     _failure: str | None = None
     on_failure: Callable[[str], None] | None = None
@@ -263,6 +386,35 @@ class Engine(abc.ABC):
     async def close(self) -> None:
         """Release the model; no thread or task of the engine outlives this."""
         self._ready = False
+
+    def check(self, request: GenerationRequest) -> None:
+        """Refuse, before it is admitted, what this engine cannot do for ``request``:
+        raise :class:`InvalidRequestError` (the client gets a 400 with its message).
+        Called on the event loop thread; must not block. The default refuses log
+        probabilities an engine does not report (its ``reports_*`` flags), and what
+        :meth:`check_structure` refuses."""
+        self.check_structure(request)
+        sampling = request.sampling
+        if sampling.logprobs is not None and not self.reports_logprobs:
+            raise LogprobsUnsupportedError(
+                f"The {self.name} engine does not report log probabilities."
+            )
+        if sampling.prompt_logprobs is not None and not self.reports_prompt_logprobs:
+            raise LogprobsUnsupportedError(
+                f"The {self.name} engine does not report the prompt's log probabilities."
+            )
+
+    def check_structure(self, request: GenerationRequest) -> None:
+        """Refuse the structure ``request`` asks for (a response format, an enforced tool
+        call, a custom tool's grammar) that the engine cannot constrain: an engine must
+        refuse, never answer unconstrained. Engines that constrain override it and compile
+        what they will be given here (cached by content). This default constrains nothing."""
+        if request.constraint is not None or request.enforces_tools:
+            raise InvalidRequestError(
+                "structured_output_unsupported",
+                f"the {self.name} engine cannot constrain its output (a response format, "
+                "a required or strict tool call, a custom tool's grammar)",
+            )
 
     @abc.abstractmethod
     def submit(self, request: GenerationRequest) -> None:

@@ -13,6 +13,13 @@ only because the engine asks for progress reports (``return_progress``), one
 per prompt batch of ``prefill_batch`` tokens, so there a cancel or ``close()``
 takes effect within one batch.
 
+Log probabilities (``SamplingParams.logprobs``) go in the chat body as ``logprobs`` and
+``top_logprobs``; llama.cpp sends an entry per piece of text it streams (a piece it
+held back, such as the bytes of one character over several tokens, is one entry with
+the text and the log probability of its last token). It reports none for the prompt's
+own tokens, nor for a streamed answer with tools: such requests are refused with a 400
+(:meth:`LlamaCppEngine.check`).
+
 The server also listens on a random loopback port (it always does); the engine
 protects it with a random API key and uses its ``/apply-template`` and
 ``/tokenize`` handlers to count a conversation's tokens the way the model sees
@@ -41,7 +48,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 from urllib.parse import urlsplit
 
 from gateway.engines.base import (
@@ -52,17 +59,27 @@ from gateway.engines.base import (
     Finished,
     FinishReason,
     GenerationRequest,
+    LogprobsUnsupportedError,
     Message,
     Output,
     PromptTokens,
     SamplingParams,
+    StreamEvent,
     TextDelta,
+    TokenLogprob,
     ToolCallDelta,
     Usage,
     chat_messages,
     fit_to_context,
 )
-from gateway.engines.openai_chat import tool_call_deltas, tools_body
+from gateway.engines.openai_chat import (
+    choice_logprobs,
+    logprobs_body,
+    tool_call_deltas,
+    tools_body,
+)
+from gateway.engines.structured import Plan, plan
+from gateway.engines.tool_format import CallText
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +242,8 @@ def _native_stderr() -> Iterator[_Captured]:
         try:
             yield captured
         finally:
+            if captured.failed:
+                _await_last_native_line(sink)
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
@@ -237,6 +256,25 @@ def _native_stderr() -> Iterator[_Captured]:
             rest = b"".join(lines)
             while rest:
                 rest = rest[os.write(2, rest) :]
+
+
+# llama.cpp's logger writes from a thread of its own, after the call that logged has
+# returned: a failed load's last lines can reach file descriptor 2 after the Python
+# exception. This is the line its server logs last when a load fails.
+_LAST_FAILURE_LINE = b"exiting due to model loading error"
+_NATIVE_LOG_DRAIN_S = 1.0
+
+
+def _await_last_native_line(sink: IO[bytes]) -> None:
+    """Wait (bounded) until llama.cpp's logger thread has written the failed load's last
+    line into ``sink``, so that none of its lines reaches the real stderr after ours."""
+    # pread, not seek and read: descriptor 2 shares the file's offset with ``sink``, so
+    # moving it would make the logger's next line overwrite the first ones.
+    fd, deadline = sink.fileno(), time.monotonic() + _NATIVE_LOG_DRAIN_S
+    while time.monotonic() < deadline:
+        if _LAST_FAILURE_LINE in os.pread(fd, os.fstat(fd).st_size, 0):
+            return
+        time.sleep(0.005)  # a thread we cannot join: poll the file it writes
 
 
 def _load_failure(model_path: Path, native_log: str) -> str:
@@ -398,6 +436,8 @@ class _Generation:
     stopped: bool = False  # the callback stopped llama.cpp because of ``cancelled``
     failure: BaseException | None = None  # what the callback raised (llama.cpp hides it)
     continued: int = 0  # tokens of the continuation (the answer so far, before a takeover)
+    plan: Plan | None = None  # how its tools and response format are asked for
+    calls: CallText | None = None  # parses calls in the gateway's tool format
 
 
 class LlamaCppEngine(Engine):
@@ -410,6 +450,7 @@ class LlamaCppEngine(Engine):
     # turn open with the text in it, and the answer goes on from there (a takeover's
     # continuation, GenerationRequest.continuation: its deltas are only what follows).
     can_continue = True
+    reports_logprobs = True
 
     def __init__(
         self,
@@ -445,6 +486,9 @@ class LlamaCppEngine(Engine):
         self._api: _LoopbackApi | None = None
         self._slot_table = SlotTable(slots)
         self._generations: dict[str, _Generation] = {}  # by request id, until reported ended
+        # Whether the chat template shows tools to the model (SmolLM2's does not): if not,
+        # tools go in the gateway's own format (gateway/engines/structured.py).
+        self.template_renders_tools = False
 
     @property
     def capacity(self) -> int:
@@ -457,6 +501,14 @@ class LlamaCppEngine(Engine):
 
     def describe(self) -> dict[str, object]:
         return {"model": self.model_name, "ctx": self.ctx, "slots": self.slots}
+
+    def check_structure(self, request: GenerationRequest) -> None:
+        """Compile the request's grammars (cached by content): one LLGuidance cannot
+        compile is a 400 here, since llama.cpp would sample unconstrained text."""
+        self._plan(request)
+
+    def _plan(self, request: GenerationRequest) -> Plan:
+        return plan(request, template_renders_tools=self.template_renders_tools)
 
     async def slot_settings(self) -> list[dict[str, Any]]:
         """llama.cpp's own view of each slot (its ``/slots``): ``params`` holds the sampler
@@ -480,6 +532,10 @@ class LlamaCppEngine(Engine):
         api_key = secrets.token_urlsafe(24)
         self._server = await _in_thread(lambda: self._load(api_key), "llamacpp-load")
         self._api = _LoopbackApi(self._server.listening_address, api_key)
+        api = self._api
+        self.template_renders_tools = await _in_thread(
+            lambda: _renders_tools(api), "llamacpp-template"
+        )
         log.info(
             "llamacpp: loaded %s in %.2f s (ctx %d per slot, %d slots, threads %s)",
             self.model_name,
@@ -540,6 +596,20 @@ class LlamaCppEngine(Engine):
             # loop thread: do it off the event loop.
             await _in_thread(server.clear, "llamacpp-close")
 
+    def check(self, request: GenerationRequest) -> None:
+        sampling = request.sampling
+        if sampling.prompt_logprobs is not None:
+            raise LogprobsUnsupportedError(
+                "llama.cpp does not report log probabilities for the prompt's own tokens "
+                "(its server has no echo): ask for the answer's alone."
+            )
+        if sampling.logprobs is not None and request.tools:
+            raise LogprobsUnsupportedError(
+                "llama.cpp does not report log probabilities for a streamed answer with "
+                "tools: send the request without tools, or without logprobs."
+            )
+        super().check(request)
+
     def submit(self, request: GenerationRequest) -> None:
         rid = request.request_id
         # Not ready also while close() runs: a worker started then would outlive the model.
@@ -598,6 +668,9 @@ class LlamaCppEngine(Engine):
 
         terminal: Output
         try:
+            generation.plan = self._plan(generation.request)
+            if generation.plan.generic:
+                generation.calls = CallText(generation.request)
             messages = self._fit(generation)
             if generation.request.continuation and self._api is not None:
                 # The answer's budget and usage are the whole answer's, its first part too.
@@ -605,6 +678,9 @@ class LlamaCppEngine(Engine):
             generation.stopped = generation.cancelled.is_set()
             if not generation.stopped:
                 self._server.handle_chat_completions(self._body(generation, messages), callback)
+                self._flush_calls(generation)
+            if isinstance(generation.failure, EngineError):
+                raise generation.failure
             if generation.failure is not None:
                 raise EngineError(
                     "engine_error", f"the llamacpp engine failed mid-answer: {generation.failure!r}"
@@ -633,17 +709,18 @@ class LlamaCppEngine(Engine):
         Stops at once (returning what it has) when the generation is cancelled: a long
         conversation costs a tokenization per turn dropped."""
         assert self._api is not None
-        request = generation.request
+        request, the_plan = generation.request, generation.plan
+        assert the_plan is not None
         budget = request.sampling.max_output_tokens or self.ctx // DEFAULT_ANSWER_SHARE
         limit = self.ctx - min(budget, self.ctx // 2)
-        api, tools = self._api, tools_body(request)
+        api, tools = self._api, tools_body(request) if the_plan.native_tools else None
 
         def count(kept: Sequence[Message]) -> int:
             if generation.cancelled.is_set():
                 return 0  # "fits": the caller sees the cancel and generates nothing
             return api.count_tokens(kept, tools)
 
-        wanted = request.messages
+        wanted = the_plan.messages
         if request.continuation:
             wanted = (*wanted, Message("assistant", request.continuation))
         messages, dropped = fit_to_context(wanted, count, limit)
@@ -658,7 +735,8 @@ class LlamaCppEngine(Engine):
         return messages
 
     def _body(self, generation: _Generation, messages: Sequence[Message]) -> dict[str, Any]:
-        sampling = generation.request.sampling
+        sampling, the_plan = generation.request.sampling, generation.plan
+        assert the_plan is not None
         body: dict[str, Any] = {
             "messages": chat_messages(messages),
             "stream": True,
@@ -668,9 +746,12 @@ class LlamaCppEngine(Engine):
             "timings_per_token": True,  # a running token count in every chunk
             # A chunk after every prompt batch: during prefill, where a cancel is read.
             "return_progress": True,
-            **tools_body(generation.request),
+            **(tools_body(generation.request) if the_plan.native_tools else {}),
+            **logprobs_body(generation.request),
             **self.sampler.body(),
         }
+        if the_plan.grammar is not None:
+            body["grammar"] = the_plan.grammar
         budget = sampling.max_output_tokens
         if budget is not None:
             budget = max(1, budget - generation.continued)
@@ -719,20 +800,92 @@ class LlamaCppEngine(Engine):
         # become a stop sequence or a tool call): the running decode count says how many.
         decoded = int(generation.timings.get("predicted_n", generation.decoded + 1))
         tokens, generation.decoded = max(1, decoded - generation.decoded), decoded
+        if generation.calls is not None:  # the gateway's tool format: parse the text
+            # (never with log probabilities: check() refuses them beside tools)
+            events = _counted(generation.calls.feed(text), tokens)
+        else:
+            logprobs = None
+            top = generation.request.sampling.logprobs
+            if top is not None and text:
+                logprobs = _chunk_logprobs(choices, top)
+            events = chunk_events(text, calls, tokens, logprobs)
         # The loop is gone: nobody is listening, stop generating.
         rid, put = generation.request.request_id, self.outputs.put_threadsafe
-        return not all(put(rid, e) for e in chunk_events(text, calls, tokens))
+        return not all(put(rid, e) for e in events)
+
+    def _flush_calls(self, generation: _Generation) -> None:
+        """The end of an answer in the gateway's tool format: what the parser held."""
+        parser = generation.calls
+        if parser is None or generation.stopped or generation.error or generation.failure:
+            return
+        rid, put = generation.request.request_id, self.outputs.put_threadsafe
+        for event in parser.finish():
+            put(rid, event)
+        if parser.calls and generation.finish_reason == "stop":
+            generation.finish_reason = "tool_calls"
 
 
-def chunk_events(text: str, calls: list[ToolCallDelta], tokens: int) -> list[Output]:
-    """What one streamed chunk hands on: its text (a plain ``str`` for one token), then
-    its call pieces; the chunk's ``tokens`` are counted once, on the first of them."""
+def _chunk_logprobs(choices: Sequence[dict[str, Any]], top: int) -> tuple[TokenLogprob, ...]:
+    """The log probabilities of a chunk's text, which a request that asked for them must
+    have (raised, not answered without them)."""
+    found: list[TokenLogprob] = []
+    for choice in choices:
+        if (choice.get("delta") or {}).get("content"):
+            logprobs = choice_logprobs(choice, top)
+            if logprobs is None:
+                raise LogprobsUnsupportedError("llama.cpp sent text without its log probabilities")
+            found += logprobs
+    return tuple(found)
+
+
+def chunk_events(
+    text: str,
+    calls: list[ToolCallDelta],
+    tokens: int,
+    logprobs: tuple[TokenLogprob, ...] | None = None,
+) -> list[Output]:
+    """What one streamed chunk hands on: its text (a plain ``str`` for one token, unless
+    it comes with ``logprobs``), then its call pieces; the chunk's ``tokens`` are counted
+    once, on the first of them."""
     events: list[Output] = []
     if text:
-        events.append(text if tokens == 1 else TextDelta(text, tokens))
+        if logprobs is not None:
+            events.append(TextDelta(text, tokens, logprobs=logprobs))
+        else:
+            events.append(text if tokens == 1 else TextDelta(text, tokens))
     for call in calls:
         events.append(replace(call, tokens=0 if events else tokens))
     return events
+
+
+def _counted(events: Sequence[StreamEvent], tokens: int) -> list[Output]:
+    """``events`` with the chunk's ``tokens`` counted once, on the first of them."""
+    out: list[Output] = []
+    for event in events:
+        count = 0 if out else tokens
+        if isinstance(event, TextDelta):
+            out.append(event.text if count == 1 else TextDelta(event.text, count))
+        elif isinstance(event, ToolCallDelta):
+            out.append(replace(event, tokens=count))
+    return out
+
+
+def _renders_tools(api: _LoopbackApi) -> bool:
+    """Whether the model's chat template shows a request's tools to the model: the prompt
+    with a tool differs from the one without."""
+    messages = [Message("user", "hi")]
+    probe = {
+        "tools": [
+            {
+                "type": "function",
+                "function": {"name": "probe_tool", "description": "", "parameters": {}},
+            }
+        ]
+    }
+    try:
+        return api.count_tokens(messages, probe) != api.count_tokens(messages)
+    except EngineError:  # a template that refuses tools cannot render them
+        return False
 
 
 def _usage(generation: _Generation) -> Usage:

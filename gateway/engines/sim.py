@@ -13,11 +13,19 @@ batch, as a real engine's iteration is. Fault knobs make it fail or stall on dem
 
 It calls tools by a fixed rule, so that every client can be tested without a
 model (:func:`tool_call_plan`, :func:`tool_output_answer`): a request with tools
-whose last user message names one gets one call of the first tool named, with
-``{"text": <that message>}`` as arguments, streamed a few characters a step;
-``tool_choice`` ``required`` calls the first tool whatever the message says, a
-named function is always called, ``none`` never calls. After a tool's output
-the answer quotes that output verbatim.
+whose last user message names one gets one call of the first tool named, streamed a
+few characters a step; ``tool_choice`` ``required`` calls the first tool whatever the
+message says, a named function is always called, ``none`` never calls. The arguments
+are a valid instance of the tool's parameters whose strings are that message (so a
+tool of one ``text`` parameter gets ``{"text": <that message>}``); a custom tool's input
+is the message, or, under a grammar, a text the grammar accepts. After a tool's output
+the answer quotes that output verbatim. An answer under a response format is a valid
+instance of its schema (gateway/engines/instances.py), its strings the answer's words.
+
+It reports log probabilities when asked, deterministic ones so that tests can check
+them (:func:`token_logprob`, :func:`prompt_logprobs`): a token's depends on its
+text and its place in the answer alone, so a continued answer's are those the
+first gateway would have sent.
 """
 
 from __future__ import annotations
@@ -34,15 +42,20 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from gateway.engines import instances
 from gateway.engines.base import (
+    Constraint,
     Engine,
     EngineError,
     Finished,
     FinishReason,
     GenerationRequest,
     Message,
+    PromptLogprobs,
     PromptTokens,
     StepOutput,
+    TextDelta,
+    TokenLogprob,
     Tool,
     ToolCallDelta,
     Usage,
@@ -133,6 +146,43 @@ def answer_tokens(prompt: str, length: int) -> list[str]:
     return tokens
 
 
+_PROMPT_TOKEN_RE = re.compile(r"<\|\w+\|>|\s*\w+|\s*[^\w\s]|\s+")
+
+
+_LEADING = {lead: tuple(lead + word for word in _WORDS) for lead in ("", " ")}
+
+
+def token_logprob(token: str, position: int, top: int) -> TokenLogprob:
+    """The sim's log probability of ``token`` at ``position`` (from 0) of an answer, with
+    ``top`` alternatives: the token itself first, then other words (from the word list,
+    at a place that moves with ``position``), each less likely than the one before."""
+    logprob = -0.05 - 0.125 * (position % 8)
+    raw = token.encode()
+    if not top:
+        return TokenLogprob(token, logprob, raw)
+    words = _LEADING[" " if token.startswith(" ") else ""]
+    alternatives = [TokenLogprob(token, logprob, raw)]
+    at = position
+    while len(alternatives) < top:
+        text = words[at % len(words)]
+        at += 1
+        if text != token:
+            value = logprob - 0.75 * len(alternatives)
+            alternatives.append(TokenLogprob(text, value, text.encode()))
+    return TokenLogprob(token, logprob, raw, tuple(alternatives))
+
+
+def prompt_logprobs(prompt: str, top: int) -> PromptLogprobs:
+    """The rendered ``prompt``'s tokens (the pieces it splits into, joined: the prompt)
+    with the sim's log probabilities: its first token has none, the others
+    :func:`token_logprob`'s, by their place in the prompt."""
+    pieces = _PROMPT_TOKEN_RE.findall(prompt)
+    return PromptLogprobs(
+        pieces[0] if pieces else "",
+        tuple(token_logprob(p, i, top) for i, p in enumerate(pieces[1:], 1)),
+    )
+
+
 def tool_call_plan(request: GenerationRequest) -> tuple[ToolCallDelta, ...]:
     """The call the sim makes for ``request``, as the deltas it streams; () for a text answer.
 
@@ -155,7 +205,7 @@ def tool_call_plan(request: GenerationRequest) -> tuple[ToolCallDelta, ...]:
         tool = next((t for t in request.tools if t.name in user_text), None)
     if tool is None:
         return ()
-    arguments = json.dumps({"text": user_text}, ensure_ascii=False)
+    arguments = tool_arguments(tool, user_text)
     digest = hashlib.sha256(f"{request.request_id}/{tool.name}".encode()).hexdigest()
     pieces = [
         arguments[i : i + ARGUMENT_PIECE_CHARS]
@@ -163,6 +213,29 @@ def tool_call_plan(request: GenerationRequest) -> tuple[ToolCallDelta, ...]:
     ]
     first = ToolCallDelta(0, pieces[0], call_id=f"call_{digest[:16]}", name=tool.name)
     return (first, *(ToolCallDelta(0, piece) for piece in pieces[1:]))
+
+
+def tool_arguments(tool: Tool, user_text: str) -> str:
+    """The arguments the sim gives ``tool``: see the module docstring."""
+    if tool.freeform:
+        text = user_text
+        if tool.grammar is not None:
+            text = instances.text_instance(tool.grammar, seed=user_text)
+        return json.dumps({"input": text}, ensure_ascii=False)
+    schema = json.dumps(dict(tool.parameters), sort_keys=True)
+    return instances.json_text(schema, (user_text,))
+
+
+def formatted_answer(constraint: Constraint, prompt: str) -> list[str]:
+    """An answer under a response format, in pieces of a few characters (its tokens)."""
+    words = "".join(answer_tokens(prompt, 12)).rstrip(".").split()
+    phrases = tuple(" ".join(words[i : i + 3]) for i in range(0, len(words), 3))
+    definition = constraint.definition if constraint.kind == "json_schema" else _ANY_OBJECT
+    text = instances.json_text(definition, phrases)
+    return [text[i : i + ARGUMENT_PIECE_CHARS] for i in range(0, len(text), ARGUMENT_PIECE_CHARS)]
+
+
+_ANY_OBJECT = '{"type": "object", "properties": {"answer": {"type": "string"}}}'
 
 
 def tool_output_answer(messages: Sequence[Message]) -> list[str] | None:
@@ -191,11 +264,12 @@ def _cut_at_stop(tokens: list[str], stop: Sequence[str]) -> list[str]:
 @dataclass(eq=False, slots=True)
 class _Stream:
     request_id: str
-    tokens: deque[str | ToolCallDelta]
+    tokens: deque[str | TextDelta | ToolCallDelta]  # TextDelta: a token with its logprob
     finish: FinishReason
     usage_in: int
     generated: int = 0  # the whole answer's: a continuation starts at what was sent
     aborted: bool = False  # abort() asked: confirmed and dropped at the next step
+    prompt_logprobs: PromptLogprobs | None = None  # reported with the prompt's tokens
 
 
 def _after(tokens: list[str | ToolCallDelta], sent: str) -> list[str | ToolCallDelta]:
@@ -212,6 +286,8 @@ def _after(tokens: list[str | ToolCallDelta], sent: str) -> list[str | ToolCallD
 class SimEngine(Engine):
     name = "sim"
     can_continue = True
+    reports_logprobs = True
+    reports_prompt_logprobs = True
 
     def __init__(
         self,
@@ -267,6 +343,15 @@ class SimEngine(Engine):
     def context_window(self) -> int | None:
         return self.context_tokens
 
+    def check_structure(self, request: GenerationRequest) -> None:
+        """The sim constrains anything it can make an instance of (its answers are built
+        valid): a schema or grammar it cannot satisfy is refused here."""
+        if request.constraint is not None:
+            formatted_answer(request.constraint, "")
+        if request.enforces_tools:
+            for tool in request.tools:
+                tool_arguments(tool, "")
+
     def submit(self, request: GenerationRequest) -> None:
         try:
             stream = self._open(request)
@@ -291,6 +376,8 @@ class SimEngine(Engine):
         tokens: list[str | ToolCallDelta]
         if calls := tool_call_plan(replace(request, messages=tuple(messages))):
             tokens, finish = list(calls), "tool_calls"
+        elif request.constraint is not None:
+            tokens = list(formatted_answer(request.constraint, render(messages)))
         else:
             text = tool_output_answer(messages) or answer_tokens(
                 render(messages), self.response_tokens
@@ -304,7 +391,21 @@ class SimEngine(Engine):
         # The budget and the usage are the whole answer's, what was sent before included.
         if budget is not None and sent + len(tokens) > budget:
             tokens, finish = tokens[: max(0, budget - sent)], "length"
-        return _Stream(request.request_id, deque(tokens), finish, count_tokens(messages), sent)
+        top = request.sampling.logprobs
+        outputs: Sequence[str | TextDelta | ToolCallDelta] = tokens
+        if top is not None:  # made now, so that a step costs what it did without them
+            outputs = [
+                TextDelta(t, logprobs=(token_logprob(t, sent + i, top),))
+                if isinstance(t, str)
+                else t
+                for i, t in enumerate(tokens)
+            ]
+        stream = _Stream(request.request_id, deque(outputs), finish, count_tokens(messages), sent)
+        if request.sampling.prompt_logprobs is not None:
+            stream.prompt_logprobs = prompt_logprobs(
+                render(messages), request.sampling.prompt_logprobs
+            )
+        return stream
 
     async def _step_loop(self) -> None:
         # Steps fall due on a fixed clock, as on a GPU that computes whatever the
@@ -366,6 +467,8 @@ class SimEngine(Engine):
         if stream.tokens:
             if not stream.generated:
                 out.append((rid, PromptTokens(stream.usage_in)))
+                if stream.prompt_logprobs is not None:
+                    out.append((rid, stream.prompt_logprobs))
             stream.generated += 1
             self.tokens_generated += 1
             out.append((rid, stream.tokens.popleft()))

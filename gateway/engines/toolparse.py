@@ -30,7 +30,6 @@ from typing import Any, Literal
 from gateway.engines.base import StreamEvent, TextDelta, ToolCallDelta
 
 ToolFormat = Literal["hermes", "mistral", "llama3_json"]
-SUPPORTED = "hermes (<tool_call>), mistral ([TOOL_CALLS]), llama3_json (<|python_tag|>)"
 
 _MARKERS: dict[ToolFormat, tuple[str, ...]] = {
     "hermes": ("<tool_call>",),

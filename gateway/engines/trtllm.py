@@ -17,6 +17,9 @@ A thin adapter over exactly these calls (TensorRT-LLM 1.x; file names below are 
   (``_torch/pyexecutor/py_executor.py``, ``_handle_canceled_requests``). So after an abort
   nothing waits for an answer: whenever the stream is left before its end (task cancelled,
   generator closed, error), ``abort()`` is called and the stream is forgotten.
+- Log probabilities: ``SamplingParams(logprobs=20, prompt_logprobs=20)`` when a request asks
+  for them, read from each output's ``logprobs`` (``logprobs_diff``) and ``prompt_logprobs``
+  (gateway/engines/trtllm_logprobs.py says how, and why 20).
 - ``llm.shutdown()`` joins the worker processes, so it runs on a thread. It queues aborts but
   promises no final outputs: :meth:`TrtllmEngine.close` ends its own streams first
   (``engine_closed``). It may re-raise a stored background error at its end
@@ -56,7 +59,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from gateway.engines import trtllm_guided
 from gateway.engines.base import (
+    MAX_TOP_LOGPROBS,
     ContextOverflowError,
     EngineError,
     EngineUnavailableError,
@@ -64,7 +69,9 @@ from gateway.engines.base import (
     FinishReason,
     GenerationRequest,
     InvalidRequestError,
+    LogprobsUnsupportedError,
     Message,
+    PromptLogprobs,
     PromptTokens,
     SamplingParams,
     StreamEvent,
@@ -75,7 +82,11 @@ from gateway.engines.base import (
     fit_to_context,
 )
 from gateway.engines.openai_chat import tools_body
-from gateway.engines.toolparse import SUPPORTED, ToolCallText, detect_format
+from gateway.engines.structured import Plan
+from gateway.engines.tool_format import CallText
+from gateway.engines.toolparse import ToolCallText, ToolFormat, detect_format
+from gateway.engines.trtllm_guided import Guided, guided
+from gateway.engines.trtllm_logprobs import LogprobCursor, prompt_logprobs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -111,6 +122,8 @@ class TrtllmSettings:
     tp_size: int = 1
     load_on_main_thread: bool = False
     health_check_s: float = HEALTH_CHECK_S  # how often the executor's health is read
+    # LLM(guided_decoding_backend=...): None builds an LLM that cannot constrain.
+    guided_decoding_backend: str | None = trtllm_guided.DEFAULT_BACKEND
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +170,16 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument("--tp-size", type=int, default=1, help="tensor-parallel GPUs")
     group.add_argument(
+        "--guided-decoding-backend",
+        choices=trtllm_guided.BACKENDS,
+        default=trtllm_guided.DEFAULT_BACKEND,
+        metavar="B",
+        help="TensorRT-LLM's constrained decoder, set when the LLM is built: llguidance"
+        " (response formats, enforced tool calls, custom tools' Lark grammars), xgrammar"
+        " (JSON response formats only) or none (such requests are refused with a 400,"
+        " never answered unconstrained)",
+    )
+    group.add_argument(
         "--load-on-main-thread",
         action="store_true",
         help="build the TensorRT-LLM model on the main thread before the server starts"
@@ -182,6 +205,9 @@ def from_args(args: argparse.Namespace) -> TrtllmEngine:
         kv_cache_fraction=args.kv_cache_fraction,
         tp_size=args.tp_size,
         load_on_main_thread=args.load_on_main_thread,
+        guided_decoding_backend=None
+        if args.guided_decoding_backend == "none"
+        else args.guided_decoding_backend,
     )
     if settings.load_on_main_thread:
         log.info("trtllm: loading %s on the main thread (this can take minutes)", args.model)
@@ -227,7 +253,10 @@ def build_llm(settings: TrtllmSettings) -> Any:
         max_batch_size=settings.max_batch_size,
         max_num_tokens=settings.max_num_tokens,
         tensor_parallel_size=settings.tp_size,
-        **_without_none(max_seq_len=settings.max_seq_len),
+        **_without_none(
+            max_seq_len=settings.max_seq_len,
+            guided_decoding_backend=settings.guided_decoding_backend,
+        ),
     )
 
 
@@ -238,6 +267,8 @@ class TrtllmEngine(StreamingEngine):
     # From the answer's own token ids (GenerationRequest.continuation_token_ids): the
     # prompt's ids, then the answer's, with no re-tokenization.
     can_continue = True
+    reports_logprobs = True
+    reports_prompt_logprobs = True
 
     def __init__(self, settings: TrtllmSettings, *, llm: Any = None) -> None:
         """``llm``: an already loaded ``tensorrt_llm.LLM`` to serve instead of loading one
@@ -247,6 +278,7 @@ class TrtllmEngine(StreamingEngine):
         self._llm: Any = None
         self._preloaded = llm
         self._sampling_cls: Any = None
+        self._guided_cls: Any = None  # llmapi.GuidedDecodingParams
         self._request_error: type[BaseException] = _NeverRaised
         # start() may be cancelled while the loading thread runs on; whichever of the two
         # comes second shuts the new LLM down, so no engine outlives a cancelled start.
@@ -336,6 +368,7 @@ class TrtllmEngine(StreamingEngine):
         with self._load_lock:
             if not self._abandoned:
                 self._llm, self._sampling_cls = llm, llmapi.SamplingParams
+                self._guided_cls = llmapi.GuidedDecodingParams
                 self._request_error = getattr(llmapi, "RequestError", _NeverRaised)
                 return
         log.info("trtllm: start was cancelled during loading; shutting the model down")
@@ -428,6 +461,7 @@ class TrtllmEngine(StreamingEngine):
             "context_source": self._context.source,
             "max_batch_size": self.settings.max_batch_size,
             "tp_size": self.settings.tp_size,
+            "guided_decoding_backend": self.settings.guided_decoding_backend,
             "built_on_thread": self.built_on.name if self.built_on else None,
         }
         if self.failure is not None:
@@ -519,7 +553,7 @@ class TrtllmEngine(StreamingEngine):
     def count_tokens(self, messages: Sequence[Message]) -> int:
         return len(self.encode(messages))
 
-    def _fit(self, request: GenerationRequest) -> list[int]:
+    def _fit(self, request: GenerationRequest, the_plan: Plan) -> list[int]:
         """Drop old turns until prompt + answer reserve fit; return the prompt's token ids.
 
         Rendering and encoding run on the event loop, so each candidate is rendered once:
@@ -530,10 +564,10 @@ class TrtllmEngine(StreamingEngine):
         budget = request.sampling.max_output_tokens
         reserve = min(budget or DEFAULT_ANSWER_RESERVE, limit // 2)
         prompt_budget = min(limit - reserve, self._prompt_limit)
-        tools = tools_body(request).get("tools")
+        tools = tools_body(request).get("tools") if the_plan.native_tools else None
         last = _LastEncoding(lambda messages: self.encode(messages, tools))
         try:
-            messages, dropped = fit_to_context(request.messages, last.count, prompt_budget)
+            messages, dropped = fit_to_context(the_plan.messages, last.count, prompt_budget)
         except EngineError:
             raise
         except Exception as exc:
@@ -574,7 +608,11 @@ class TrtllmEngine(StreamingEngine):
         return _AnswerSoFar(ids, decoded[len(request.continuation) :])
 
     def _sampling_params(
-        self, sampling: SamplingParams, prompt_tokens: int, answered: int = 0
+        self,
+        sampling: SamplingParams,
+        prompt_tokens: int,
+        answered: int = 0,
+        guide: dict[str, Any] | None = None,
     ) -> Any:
         """Every field explicit: TensorRT-LLM defaults to 32 tokens and greedy decoding.
         ``answered``: tokens of a continued answer, in the prompt and in its budget."""
@@ -600,6 +638,12 @@ class TrtllmEngine(StreamingEngine):
             # _handle_sequence), and usage would miss tokens the model did generate. The
             # adapter cuts the stop string from the text itself (_StopHoldback).
             include_stop_str_in_output=True,
+            **({"guided_decoding": self._guided_cls(**guide)} if guide else {}),
+            # The top 20 whatever the client wants: see gateway/engines/trtllm_logprobs.py.
+            **_without_none(
+                logprobs=None if sampling.logprobs is None else MAX_TOP_LOGPROBS,
+                prompt_logprobs=None if sampling.prompt_logprobs is None else MAX_TOP_LOGPROBS,
+            ),
         )
 
     # -- generation --------------------------------------------------------------------
@@ -607,10 +651,13 @@ class TrtllmEngine(StreamingEngine):
         yielded = False
         for attempt in (1, 2):
             self._check_usable()
-            calls = self._tool_call_text(request)
-            prompt_ids = self._fit(request)
+            structure = self._guided(request)
+            calls = self._tool_call_text(request, structure.plan)
+            prompt_ids = self._fit(request, structure.plan)
             answer = self._answer_so_far(request)
-            params = self._sampling_params(request.sampling, len(prompt_ids), len(answer.ids))
+            params = self._sampling_params(
+                request.sampling, len(prompt_ids), len(answer.ids), structure.guide
+            )
             # Known before the first token: an answer cut short still reports its prompt.
             # (Not counted as yielded: a refused prompt is retried, and re-reported.)
             yield PromptTokens(len(prompt_ids))
@@ -642,7 +689,7 @@ class TrtllmEngine(StreamingEngine):
         request: GenerationRequest,
         prompt_ids: list[int],
         params: Any,
-        calls: ToolCallText | None,
+        calls: ToolCallText | CallText | None,
         answer: _AnswerSoFar,
     ) -> AsyncGenerator[StreamEvent, None]:
         llm = self._llm
@@ -664,15 +711,28 @@ class TrtllmEngine(StreamingEngine):
         self._live.add(live)  # no await since generate_async: close() cannot have missed it
         held = _StopHoldback(tuple(request.sampling.stop))
         ids = _TokenIds()
+        sampling = request.sampling
+        logprobs = None
+        if sampling.logprobs is not None:
+            logprobs = LogprobCursor(llm.tokenizer, sampling.logprobs)
+        prompt_due = sampling.prompt_logprobs is not None
         lead = answer.held_text  # decoded from the answer's ids, not sent yet
         finished = False
+
+        def attach(event: StreamEvent, completion: Any) -> StreamEvent:
+            event = ids.attach(event, completion.token_ids)
+            return event if logprobs is None else logprobs.attach(event, completion)
+
         try:
             async for out in output:
                 completion = out.outputs[0]
+                if prompt_due:  # before the first delta
+                    prompt_due = False
+                    yield self._prompt_logprobs(out, completion, sampling.prompt_logprobs)
                 if completion.finish_reason is None:
                     if text := held.feed(lead + completion.text):
                         for event in calls.feed(text) if calls else [TextDelta(text)]:
-                            yield ids.attach(event, completion.token_ids)
+                            yield attach(event, completion)
                     continue
                 finished = True
                 finish: FinishReason = _finish_reason(completion.finish_reason)
@@ -680,7 +740,7 @@ class TrtllmEngine(StreamingEngine):
                 tail = [*calls.feed(text), *calls.finish()] if calls else [TextDelta(text)]
                 for event in tail:
                     if not isinstance(event, TextDelta) or event.text:
-                        yield ids.attach(event, completion.token_ids)
+                        yield attach(event, completion)
                 if calls and calls.calls and finish == "stop":
                     finish = "tool_calls"
                 yield Finished(finish, _usage(out, completion, len(answer.ids)))
@@ -707,22 +767,47 @@ class TrtllmEngine(StreamingEngine):
                 live.abort()
         raise EngineError("engine_error", "TensorRT-LLM ended the stream without a finish reason")
 
-    def _tool_call_text(self, request: GenerationRequest) -> ToolCallText | None:
-        """The parser of the model's calls for a request with tools (None without); a model
-        whose template has no call format this gateway reads cannot take tools."""
-        if not request.tools:
-            return None
+    def _prompt_logprobs(self, out: Any, completion: Any, top: int | None) -> PromptLogprobs:
+        reported = completion.prompt_logprobs
+        if not reported:
+            raise LogprobsUnsupportedError(
+                "TensorRT-LLM returned no log probabilities for the prompt."
+            )
+        return prompt_logprobs(self._llm.tokenizer, out.prompt_token_ids, reported, top or 0)
+
+    def check_structure(self, request: GenerationRequest) -> None:
+        """Refuse (a 400) what the guided decoding backend cannot constrain, and compile
+        the grammars it will be given (trtllm_guided.py)."""
+        if self._llm is not None:
+            self._guided(request)
+
+    def _guided(self, request: GenerationRequest) -> Guided:
+        return guided(
+            request,
+            self.settings.guided_decoding_backend,
+            template_renders_tools=self._tool_format() is not None,
+        )
+
+    def _tool_format(self) -> ToolFormat | None:
+        """The tool-call format the model's chat template teaches, if this gateway reads it."""
         tokenizer = self._llm.tokenizer
         template = getattr(tokenizer, "chat_template", None) or getattr(
             getattr(tokenizer, "tokenizer", None), "chat_template", None
         )
-        fmt = detect_format(template if isinstance(template, str) else None)
-        if fmt is None:
-            raise InvalidRequestError(
-                "tools_unsupported",
-                f"the model {self.settings.model} has no tool-call format this gateway can read "
-                f"in its chat template (supported: {SUPPORTED}); send the request without tools",
-            )
+        return detect_format(template if isinstance(template, str) else None)
+
+    def _tool_call_text(
+        self, request: GenerationRequest, the_plan: Plan
+    ) -> ToolCallText | CallText | None:
+        """The parser of the model's calls for a request with tools (None without): the
+        gateway's format under guided decoding, else the template's (which the plan
+        chose only when the gateway reads it)."""
+        if not request.tools:
+            return None
+        if the_plan.generic:
+            return CallText(request)
+        fmt = self._tool_format()
+        assert fmt is not None, "a template's own tools only where its format is read"
         return ToolCallText(fmt, request.request_id)
 
     def _request_failed(self, exc: BaseException) -> EngineError:

@@ -6,7 +6,11 @@ them. Each generation is one streaming ``POST /v1/chat/completions`` on the
 replica the :class:`Router` picks; its SSE chunks become :class:`TextDelta`
 (and :class:`ToolCallDelta` for the ``tool_calls`` of a request with tools, which
 are forwarded as ``tools``/``tool_choice``) and its finish reason and usage one
-:class:`Finished`.
+:class:`Finished`. A request that asks for log probabilities sends ``logprobs`` and
+``top_logprobs`` on and takes the replica's back with each delta; a replica that sends
+text without them fails the request with a 400 that says so (never an answer with an
+empty list). Prompt log probabilities are refused: a streamed chat completion carries
+none (vLLM refuses ``prompt_logprobs`` with ``stream``).
 
 Cancelling closes the HTTP response before its body is read to the end, which
 closes that connection: every one of these servers aborts a generation whose
@@ -40,6 +44,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from gateway.engines import answer_check
 from gateway.engines.base import (
     ContextOverflowError,
     EngineError,
@@ -47,14 +52,24 @@ from gateway.engines.base import (
     Finished,
     FinishReason,
     GenerationRequest,
+    InvalidRequestError,
+    LogprobsUnsupportedError,
     Message,
+    Moved,
     StreamEvent,
     StreamingEngine,
     TextDelta,
+    TokenLogprob,
     Usage,
     chat_messages,
 )
-from gateway.engines.openai_chat import tool_call_deltas, tools_body
+from gateway.engines.openai_chat import (
+    choice_logprobs,
+    logprobs_body,
+    response_format_body,
+    tool_call_deltas,
+    tools_body,
+)
 
 if TYPE_CHECKING:
     import httpx
@@ -147,6 +162,7 @@ class _ReplicaFailed(Exception):
 
 class UpstreamEngine(StreamingEngine):
     name = "upstream"
+    reports_logprobs = True  # as the replicas do: one that sends none fails the request
 
     def __init__(
         self,
@@ -319,12 +335,34 @@ class UpstreamEngine(StreamingEngine):
 
     # -- generation --------------------------------------------------------------
 
+    def check(self, request: GenerationRequest) -> None:
+        if request.sampling.prompt_logprobs is not None:
+            raise LogprobsUnsupportedError(
+                "The upstream pool streams chat completions, which carry no log "
+                "probabilities for the prompt's own tokens."
+            )
+        super().check(request)
+
     @property
     def can_continue(self) -> bool:  # type: ignore[override]
         """Whether a takeover's continuation can go to some replica of the pool."""
         return any(r.continuation != "none" for r in self.replicas)
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
+    def check_structure(self, request: GenerationRequest) -> None:
+        """Structure is passed on to the replica (and its answer checked at its end: see
+        gateway/engines/answer_check.py); only a grammar for the whole answer has no
+        field of the Chat Completions API to go in."""
+        if request.constraint is not None and request.constraint.kind in ("lark", "regex"):
+            raise InvalidRequestError(
+                "structured_output_unsupported",
+                "an upstream server takes JSON response formats only",
+            )
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
+        answer = self._answer(request)
+        return answer_check.checked(request, answer) if answer_check.needed(request) else answer
+
+    async def _answer(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
         """One answer on the pool: retried on another replica when one fails before its
         first token; after it, continued on another replica that can continue a final
         assistant message (the text so far as its prefix, at most ``max_moves`` times),
@@ -387,8 +425,7 @@ class UpstreamEngine(StreamingEngine):
                         ) from exc
                     moves += 1
                     self.moves += 1
-                    if self.on_moved is not None:
-                        self.on_moved()
+                    yield Moved()
                     log.warning(
                         "upstream %s failed mid-answer (%s): continuing on another replica",
                         replica.url,
@@ -432,6 +469,7 @@ class UpstreamEngine(StreamingEngine):
                 "engine_not_ready", "the upstream engine is not running (not started, or closing)"
             )
         headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        headers.update(request.trace_context)  # the gateway's span is the parent upstream
         if self.affinity_header is not None and request.affinity_key is not None:
             headers[self.affinity_header] = affinity_id(request.affinity_key)
         post = client.build_request(
@@ -445,7 +483,7 @@ class UpstreamEngine(StreamingEngine):
             try:
                 if response.status_code != 200:
                     raise _status_error(response.status_code, await response.aread())
-                async for event in _events(response):
+                async for event in _events(response, request.sampling.logprobs):
                     yield event
             finally:
                 await response.aclose()  # pools the connection only if the body was read to its end
@@ -464,7 +502,11 @@ class UpstreamEngine(StreamingEngine):
             "stream": True,
             "stream_options": {"include_usage": True},
             **tools_body(request),
+            **response_format_body(request.constraint),
+            **logprobs_body(request),
         }
+        if request.tools and not request.parallel_tool_calls:
+            body["parallel_tool_calls"] = False
         if request.continuation and replica.continuation == "continue_final_message":
             body["continue_final_message"] = True
             body["add_generation_prompt"] = False
@@ -517,8 +559,11 @@ async def _get(client: httpx.AsyncClient, path: str) -> httpx.Response:
     )
 
 
-async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
+async def _events(
+    response: httpx.Response, logprobs: int | None = None
+) -> AsyncIterator[StreamEvent]:
     """Server-sent ``chat.completion.chunk`` events -> deltas, then one Finished.
+    ``logprobs``: the request's (each delta then carries its text's, from the chunk).
 
     The Finished comes only after the body is read to its very end: ``[DONE]``
     is followed by the chunked terminator, and a response left before that is
@@ -548,7 +593,10 @@ async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
             text = delta.get("content")
-            if text:
+            if text and logprobs is not None:
+                deltas += 1
+                yield TextDelta(text, logprobs=_text_logprobs(choice, logprobs))
+            elif text:
                 deltas += 1
                 yield TextDelta(text)
             for call in tool_call_deltas(delta):
@@ -559,6 +607,18 @@ async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
     if reason is None:
         raise _ReplicaFailed("the stream ended without a finish reason")
     yield Finished(reason, usage or Usage(0, deltas))
+
+
+def _text_logprobs(choice: dict[str, Any], top: int) -> tuple[TokenLogprob, ...]:
+    """The log probabilities that come with a choice's text; a replica that sends none
+    cannot report them (a 400: the client asked for what this pool cannot give)."""
+    logprobs = choice_logprobs(choice, top)
+    if logprobs is None:
+        raise LogprobsUnsupportedError(
+            "The upstream server returned no log probabilities with its text: it cannot "
+            "report them; ask without logprobs."
+        )
+    return logprobs
 
 
 FINISH_REASONS: dict[str, FinishReason] = {
@@ -639,6 +699,10 @@ def _status_error(status: int, body: bytes) -> Exception:
         return _ReplicaFailed(f"HTTP {status}: {message}", down=False)
     if status >= 500:  # 502/503/504: the replica (or what is in front of it) is down
         return _ReplicaFailed(f"HTTP {status}: {message}")
+    if status == 400 and "logprob" in message.lower():
+        return LogprobsUnsupportedError(
+            f"The upstream server cannot report these log probabilities: {message}"
+        )
     if status in (401, 403):
         return EngineError(
             "upstream_auth",
@@ -697,7 +761,10 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         action="append",
         default=[],
         metavar="URL",
-        help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8001 (repeatable)",
+        help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8001 (repeatable);"
+        " response_format, tool_choice, strict tools and parallel_tool_calls are passed on, and"
+        " an answer that does not hold to them (a replica that does not constrain its output)"
+        " fails with upstream_unconstrained",
     )
     group.add_argument(
         "--upstream-model",

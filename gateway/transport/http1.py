@@ -28,6 +28,7 @@ import contextlib
 import http
 import logging
 import re
+import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from websockets.asyncio.server import Server, ServerConnection
 from websockets.datastructures import Headers
 from websockets.server import ServerProtocol
 
+from gateway.observability import REQUEST_ID, Observability, Record, peer_address
 from gateway.transport.coalesce import CoalescedWrites, WriteBatch
 from gateway.transport.head_timers import Pending
 
@@ -66,6 +68,9 @@ class HttpRequest:
     body: bytes
     params: Mapping[str, str] = field(default_factory=dict)  # the route's {name}s, unquoted
     http_version: str = "1.1"
+    # Its access log line and span (gateway/observability/): what its handler learns of it
+    # (an answer, a tenant) goes there; the line is written as its response ends.
+    record: Record | None = None
 
     def arg(self, name: str, default: str | None = None) -> str | None:
         """The first value of a query parameter."""
@@ -83,6 +88,7 @@ class Target:
     handler: Handler
     params: Mapping[str, str]
     body_limit: int
+    pattern: str = ""  # the route's pattern, for the access log ("": no route matched)
 
 
 class Routes(Protocol):
@@ -109,15 +115,21 @@ class HttpReply:
         "_gone",
         "_head_only",
         "_over",
+        "_request_id",
         "_streaming",
         "disconnected",
         "ended",
+        "error_body",
         "status",
     )
 
-    def __init__(self, connection: HttpConnection, *, head_only: bool) -> None:
+    def __init__(
+        self, connection: HttpConnection, *, head_only: bool, request_id: str = ""
+    ) -> None:
         self._connection = connection
         self._head_only = head_only
+        self._request_id = request_id  # its x-request-id header
+        self.error_body: bytes | None = None  # an error's body, for the access log
         self._over = False  # the handler has returned: this reply may write no more
         # A chunked body (h11 chose chunked framing) under way to a client still there:
         # a write is a chunk, at once (the per-token path: plain flags, no Event).
@@ -192,6 +204,8 @@ class HttpReply:
         """The whole response in one write: status, headers, ``body``, end."""
         fields = [("Content-Type", content_type), ("Content-Length", str(len(body)))]
         fields += (headers or {}).items()
+        if status >= 400:
+            self.error_body = body  # its code and param go to the access log
         data = self._head(status, fields)
         if body and not self._head_only:
             data += self._connection.emit(h11.Data(data=body))
@@ -210,6 +224,8 @@ class HttpReply:
         if self._over:
             raise RuntimeError("this request's handler has returned")
         fields = list(headers)
+        if self._request_id:
+            fields.append((REQUEST_ID, self._request_id))
         if self._connection.closing:  # shutdown: this is the connection's last response
             fields.append(("Connection", "close"))
         data = self._connection.emit(
@@ -267,6 +283,8 @@ class HttpConnection(asyncio.Protocol):
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._reply: HttpReply | None = None
         self._task: asyncio.Task[None] | None = None
+        self._client = ""  # the peer's host:port, for the access log
+        self._head_at = 0.0  # when the current request's head was whole
 
     @property
     def closing(self) -> bool:
@@ -276,6 +294,7 @@ class HttpConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
+        self._client = peer_address(transport.get_extra_info("peername"))
         self._writes = CoalescedWrites(self._transport, self._service.write_batch)
         self._service.connections.add(self)
         self._arm(self._service.handshake_timeout)
@@ -421,6 +440,7 @@ class HttpConnection(asyncio.Protocol):
     def _on_head(self, event: h11.Request) -> None:
         raw, self._raw = self._raw, None
         assert raw is not None
+        self._head_at = time.perf_counter()
         self._cancel_timer()
         if self._first:
             self._first = False
@@ -443,6 +463,7 @@ class HttpConnection(asyncio.Protocol):
             self._hand_off(bytes(raw))
             return
         target = self._service.routes.resolve(method, path, websocket=upgrade)
+        self._request, self._target, self._headers = event, target, headers
         if _declared_length(event) > target.body_limit:
             self._refuse(413, f"The body is larger than {target.body_limit} bytes.")
             return
@@ -452,7 +473,6 @@ class HttpConnection(asyncio.Protocol):
                     h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
                 )
             )
-        self._request, self._target, self._headers = event, target, headers
         self._body = bytearray()
         self._state = "body"
         self._arm(self._service.handshake_timeout)
@@ -472,6 +492,9 @@ class HttpConnection(asyncio.Protocol):
         target_text = event.target.decode("ascii")
         path, _, query = target_text.partition("?")
         method = event.method.decode("ascii")
+        record = self._service.observability.http_request(
+            method, path, target.pattern, self._headers, self._client, self._head_at
+        )
         request = HttpRequest(
             method=method,
             path=path,
@@ -480,9 +503,10 @@ class HttpConnection(asyncio.Protocol):
             body=bytes(self._body),
             params=target.params,
             http_version=event.http_version.decode("ascii"),
+            record=record,
         )
         self._body = bytearray()
-        reply = HttpReply(self, head_only=method == "HEAD")
+        reply = HttpReply(self, head_only=method == "HEAD", request_id=record.request_id or "")
         self._reply = reply
         self._task = self._loop.create_task(self._serve(target.handler, request, reply))
         self._service.track(self._task)
@@ -509,6 +533,11 @@ class HttpConnection(asyncio.Protocol):
         finally:
             reply.over()
             self._reply = self._task = None
+            if request.record is not None:
+                observability = self._service.observability
+                observability.http_answered(
+                    request.record, reply.status, reply.error_body, request.headers
+                )
             self._next_cycle()
 
     def _next_cycle(self) -> None:
@@ -520,6 +549,7 @@ class HttpConnection(asyncio.Protocol):
             self._close()  # Connection: close, HTTP/1.0, shutdown, or a response cut short
             return
         h.start_next_cycle()
+        self._request = self._target = None
         pipelined = h.trailing_data[0]
         self._raw = bytearray(pipelined)
         self._host_added = False
@@ -557,10 +587,12 @@ class HttpConnection(asyncio.Protocol):
         reading what the client still sends for a moment: closing with unread data
         would reset the connection and could destroy the answer before it is read."""
         body = text.encode() + b"\n"
+        record = self._refused_record()
         fields = [
             ("Content-Type", TEXT),
             ("Content-Length", str(len(body))),
             ("Connection", "close"),
+            (REQUEST_ID, record.request_id or ""),
         ]
         try:
             data = self.emit(
@@ -570,6 +602,7 @@ class HttpConnection(asyncio.Protocol):
         except h11.LocalProtocolError:  # a response is already under way
             self.abort()
             return
+        self._service.observability.http_answered(record, status, None, self._headers)
         self._service.pending.discard(self)
         transport = self._require_transport()
         transport.write(data)
@@ -579,6 +612,18 @@ class HttpConnection(asyncio.Protocol):
             self._arm(LINGER_SECONDS)
         else:
             self._close()
+
+    def _refused_record(self) -> Record:
+        """The access log record of a request refused before its handler (its head or body
+        too large, malformed): what is known of it."""
+        request, target = self._request, self._target
+        if request is None:
+            return self._service.observability.http_request("", "", "", Headers(), self._client)
+        method = request.method.decode("ascii", "replace")
+        path = request.target.decode("ascii", "replace").partition("?")[0]
+        pattern = target.pattern if target is not None else ""
+        observability = self._service.observability
+        return observability.http_request(method, path, pattern, self._headers, self._client)
 
     def _close(self) -> None:
         """Close once what was written has gone out; drop the connection if it cannot."""
@@ -634,8 +679,11 @@ class HttpService:
         keepalive_timeout: float,
         logger: logging.Logger = log,
         write_batch: WriteBatch | None = None,
+        observability: Observability | None = None,
     ) -> None:
         self.routes = routes
+        # Every request's access log line, span and request id, whatever its route.
+        self.observability = observability or Observability("off")
         self.write_batch = write_batch  # the process's (see coalesce.py); None: no batching
         self._websocket_paths = frozenset(websocket_paths) | {p + "/" for p in websocket_paths}
         self.pending = pending

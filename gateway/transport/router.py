@@ -90,9 +90,10 @@ class Router:
             if found is None:
                 found = entry.methods.get("*")
             if found is None:
-                return Target(_method_not_allowed(entry.allowed()), params, DEFAULT_BODY_LIMIT)
+                answer = _method_not_allowed(entry.allowed())
+                return Target(answer, params, DEFAULT_BODY_LIMIT, entry.text)
             handler, limit = found
-            return Target(handler, params, limit)
+            return Target(handler, params, limit, entry.text)
         return self._fallback
 
 

@@ -11,13 +11,24 @@ the ``chat.completion`` and ``chat.completion.chunk`` objects.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from gateway.engines.base import TOOL_CHOICE_MODES, Message, Tool, ToolCall, ToolChoice, Usage
+from gateway.engines.base import (
+    MAX_TOP_LOGPROBS,
+    TOOL_CHOICE_MODES,
+    Constraint,
+    Message,
+    TokenLogprob,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    Usage,
+)
+from sessions import formats
 from sessions.codec import (
     JSON,
     MAX_ID_CHARS,
@@ -51,6 +62,7 @@ SERVED = frozenset(
         "presence_penalty",
         "tools",
         "tool_choice",
+        "parallel_tool_calls",
         "n",
         "response_format",
         "logprobs",
@@ -64,7 +76,6 @@ IGNORED: dict[str, str] = {
     "user": "an end-user id for abuse monitoring; this gateway keys nothing on it",
     "safety_identifier": "the same, under its newer name",
     "store": "stored completions are OpenAI's dashboard feature; nothing is kept here",
-    "parallel_tool_calls": "how many calls an answer holds is the model's choice",
     "service_tier": "one engine serves every request the same way",
     "reasoning_effort": "the engines here do not reason before answering",
     "verbosity": "the model's length is asked for with max_completion_tokens",
@@ -109,8 +120,12 @@ class ChatBody:
     presence_penalty: float | Unset | None = UNSET
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
+    constraint: Constraint | None = None  # from response_format
     metadata: dict[str, str] | None = None
     affinity_key: str | None = None
+    # ``logprobs: true``: its ``top_logprobs`` (0 when unset); None: no log probabilities.
+    logprobs: int | None = None
 
     @property
     def has_system(self) -> bool:
@@ -176,14 +191,53 @@ def read_body(obj: Mapping[str, Any]) -> ChatBody:
         fields["tools"] = _tools(r)
     if obj.get("tool_choice") is not None:
         fields["tool_choice"] = _tool_choice(r, fields.get("tools", ()))
+    if obj.get("parallel_tool_calls") is not None:
+        fields["parallel_tool_calls"] = _boolean(r, "parallel_tool_calls")
+    if obj.get("response_format") is not None:
+        fmt = formats.read_format(r.child("response_format"), nested=True)
+        fields["constraint"] = formats.constraint(fmt) if fmt is not None else None
     if r.has("metadata"):
         fields["metadata"] = read_metadata(r)
     if obj.get("prompt_cache_key") is not None:
         fields["affinity_key"] = PROMPT_CACHE_KEY + r.string("prompt_cache_key", max_chars=256)
+    fields["logprobs"] = read_logprobs(r)
     for key in IGNORED:
         if obj.get(key) is not None and key in ("user", "safety_identifier"):
             r.string(key, max_chars=256)
     return ChatBody(**fields)
+
+
+def read_logprobs(r: Reader) -> int | None:
+    """``logprobs`` (a boolean) and ``top_logprobs`` (0-20, only with ``logprobs: true``,
+    as OpenAI has it): how many alternatives each token comes with, or None for none."""
+    asked = r.obj.get("logprobs") is not None and _boolean(r, "logprobs")
+    top = r.obj.get("top_logprobs")
+    if top is None:
+        return 0 if asked else None
+    if isinstance(top, bool) or not isinstance(top, int):
+        raise r.fail("top_logprobs", "'top_logprobs' must be an integer.", "invalid_type")
+    if top < 0:
+        raise r.fail(
+            "top_logprobs",
+            "Invalid 'top_logprobs': integer below minimum value. Expected a value >= 0, "
+            f"but got {top} instead.",
+            "integer_below_min_value",
+        )
+    if top > MAX_TOP_LOGPROBS:
+        raise r.fail(
+            "top_logprobs",
+            "Invalid 'top_logprobs': integer above maximum value. Expected a value <= "
+            f"{MAX_TOP_LOGPROBS}, but got {top} instead.",
+            "integer_above_max_value",
+        )
+    if not asked:
+        if top == 0:
+            return None  # asks for nothing
+        raise r.fail(
+            "top_logprobs",
+            "The 'top_logprobs' parameter is only allowed when 'logprobs' is enabled.",
+        )
+    return top
 
 
 def _boolean(r: Reader, key: str) -> bool:
@@ -200,20 +254,6 @@ def _refuse_what_is_not_served(r: Reader) -> None:
         r.integer("n", 1, 128)
         if n != 1:
             raise _unsupported(r, "n", "This gateway makes one choice per request: 'n' must be 1.")
-    fmt = obj.get("response_format")
-    if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if kind != "text":
-            raise _unsupported(
-                r,
-                "response_format",
-                'Only \'response_format\' {"type": "text"} is served: the engines here do '
-                "not constrain their output to JSON.",
-            )
-    if obj.get("logprobs"):
-        raise _unsupported(r, "logprobs", "The engines here do not report log probabilities.")
-    if obj.get("top_logprobs"):
-        raise _unsupported(r, "top_logprobs", "The engines here do not report log probabilities.")
     for key, message in REFUSED.items():
         value = obj.get(key)
         if key == "modalities" and value in (["text"], None):
@@ -361,10 +401,34 @@ def usage_json(usage: Usage) -> JSON:
     }
 
 
-def chunk_json(head: JSON, delta: JSON, finish_reason: str | None = None) -> JSON:
+def chunk_json(
+    head: JSON,
+    delta: JSON,
+    finish_reason: str | None = None,
+    logprobs: Sequence[TokenLogprob] | None = None,
+) -> JSON:
+    choice = {
+        "index": 0,
+        "delta": delta,
+        "logprobs": None if logprobs is None else logprobs_json(logprobs),
+        "finish_reason": finish_reason,
+    }
+    return {**head, "choices": [choice]}
+
+
+def logprobs_json(logprobs: Sequence[TokenLogprob]) -> JSON:
+    """A choice's ``logprobs`` (a chunk's, or the whole message's)."""
+    return {"content": [token_logprob_json(lp) for lp in logprobs], "refusal": None}
+
+
+def token_logprob_json(lp: TokenLogprob) -> JSON:
     return {
-        **head,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "token": lp.token,
+        "logprob": lp.logprob,
+        "bytes": list(lp.bytes),
+        "top_logprobs": [
+            {"token": top.token, "logprob": top.logprob, "bytes": list(top.bytes)} for top in lp.top
+        ],
     }
 
 

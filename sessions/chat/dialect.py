@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import orjson
 
-from gateway.engines.base import Message, SamplingParams
+from gateway.engines.base import Message, PromptLogprobs, SamplingParams, TokenLogprob
 from gateway.scheduler import Outcome
 from sessions import codec
 from sessions.chat import codec as cc
@@ -29,8 +30,11 @@ from sessions.core import CallState, ResponseSpec, ResponseState, Session
 from sessions.errors import ProtocolError
 
 # A chunk of text: the head object (id, object, created, model), still open, then the
-# choice; the head is spliced in once per response (ChatFraming.delta_ids).
+# choice; the head is spliced in once per response (ChatFraming.delta_ids). With log
+# probabilities, they take the place of the null (a JSON key's quotes cannot occur
+# unescaped inside the head's strings, so the first match is the choice's).
 _DELTA = b'%b,"choices":[{"index":0,"delta":{"content":%%b},"logprobs":null,"finish_reason":null}]}'
+_NO_LOGPROBS, _LOGPROBS = b'"logprobs":null', b'"logprobs":%b'
 
 
 class ChatFraming:
@@ -51,6 +55,12 @@ class ChatFraming:
 
     def delta(self, seq: int, ids: bytes, text: str) -> bytes:
         return ids % orjson.dumps(text)
+
+    def delta_logprobs(
+        self, seq: int, ids: bytes, text: str, logprobs: Sequence[TokenLogprob]
+    ) -> bytes:
+        template = ids.replace(_NO_LOGPROBS, _LOGPROBS, 1)
+        return template % (orjson.dumps(text), orjson.dumps(cc.logprobs_json(logprobs)))
 
 
 class ChatObserver(Protocol):
@@ -112,6 +122,7 @@ class ChatDialect:
             stop=chosen(body.stop, c.stop),
             frequency_penalty=chosen(body.frequency_penalty, c.frequency_penalty),
             presence_penalty=chosen(body.presence_penalty, c.presence_penalty),
+            logprobs=body.logprobs,
         )
         self._body = body
         self._head = {
@@ -128,6 +139,9 @@ class ChatDialect:
             in_conversation=False,
             affinity_key=core.affinity(body.affinity_key),
             metadata=body.metadata,
+            constraint=body.constraint,
+            parallel_tool_calls=body.parallel_tool_calls,
+            model=body.model or "",
         )
         if core.start_response(spec, response_id=self._head["id"]) is None:
             raise ProtocolError(
@@ -137,10 +151,15 @@ class ChatDialect:
                 error_type="server_error",
             )
 
-    def _put(self, delta: codec.JSON, finish_reason: str | None = None) -> None:
+    def _put(
+        self,
+        delta: codec.JSON,
+        finish_reason: str | None = None,
+        logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> None:
         body = self._body
         if body is not None and body.stream:
-            self.core.outbox.put(cc.chunk_json(self._head, delta, finish_reason))
+            self.core.outbox.put(cc.chunk_json(self._head, delta, finish_reason, logprobs))
 
     def error(self, err: ProtocolError) -> None:
         if not self._started:
@@ -168,8 +187,13 @@ class ChatDialect:
     def text_opened(self, r: ResponseState) -> None:
         """The message has no item of its own on this API: its text is the content."""
 
-    def text_delta(self, r: ResponseState, text: str) -> None:
-        self._put({"content": text})
+    def text_delta(
+        self, r: ResponseState, text: str, logprobs: tuple[TokenLogprob, ...] | None
+    ) -> None:
+        self._put({"content": text}, logprobs=logprobs)
+
+    def prompt_logprobs(self, r: ResponseState, logprobs: PromptLogprobs) -> None:
+        """Never asked for on this API (the prompt is messages, not text to echo)."""
 
     def call_opened(self, r: ResponseState, call: CallState) -> None:
         index = self._calls[call.item_id] = len(self._calls)
@@ -217,11 +241,21 @@ class ChatDialect:
                 }
                 for c in calls
             ]
+        # The whole answer's log probabilities are for ``stream: false`` (the body the route
+        # answers with): a stream's client has them all in its chunks already.
+        logprobs = None
+        if outcome.logprobs is not None and not body.stream:
+            logprobs = cc.logprobs_json(outcome.logprobs)
         completion = {
             **self._head,
             "object": "chat.completion",
             "choices": [
-                {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
+                {
+                    "index": 0,
+                    "message": message,
+                    "finish_reason": finish_reason,
+                    "logprobs": logprobs,
+                }
             ],
             "usage": usage,
         }

@@ -11,12 +11,21 @@ responses beside it. Events are numbered from 1, ``session.created`` first.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import orjson
 
-from gateway.engines.base import TOOL_CHOICE_MODES, Message, SamplingParams, Tool, ToolChoice
+from gateway.engines.base import (
+    TOOL_CHOICE_MODES,
+    Message,
+    PromptLogprobs,
+    SamplingParams,
+    TokenLogprob,
+    Tool,
+    ToolChoice,
+)
 from gateway.scheduler import Outcome
 from sessions import codec, errors
 from sessions.conversation import Item, items_to_messages
@@ -68,6 +77,13 @@ class RealtimeFraming:
 
     def delta(self, seq: int, ids: bytes, text: str) -> bytes:
         return ids % (seq, seq, orjson.dumps(text))  # orjson escapes the text as JSON does
+
+    def delta_logprobs(
+        self, seq: int, ids: bytes, text: str, logprobs: Sequence[TokenLogprob]
+    ) -> bytes:
+        """Never asked for: a Realtime response asks for no log probabilities (its text
+        delta has no field for them)."""
+        return self.delta(seq, ids, text)
 
 
 def _template(value: str) -> bytes:
@@ -366,7 +382,12 @@ class RealtimeDialect:
             )
         )
 
-    def text_delta(self, r: ResponseState, text: str) -> None:
+    def prompt_logprobs(self, r: ResponseState, logprobs: PromptLogprobs) -> None:
+        """Never asked for on this API."""
+
+    def text_delta(
+        self, r: ResponseState, text: str, logprobs: tuple[TokenLogprob, ...] | None
+    ) -> None:
         self.core.outbox.put(
             codec.event(
                 "response.output_text.delta",

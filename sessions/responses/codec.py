@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from gateway.engines.base import Role, Tool, ToolChoice
+from gateway.engines.base import MAX_TOP_LOGPROBS, Role, TokenLogprob, Tool, ToolChoice
+from sessions import formats
 from sessions.codec import (
     JSON,
     MAX_ID_CHARS,
@@ -68,8 +69,13 @@ class CreateBody:
     stream: bool = False
     background: bool = False
     affinity_key: str | None = None  # from prompt_cache_key
+    text_format: JSON | None = None  # text.format, when structured (sessions/formats.py)
     mapped: tuple[rtools.Mapped, ...] = ()  # which of ``tools`` are a namespace's or custom
     hosted_tools: tuple[tuple[str, str], ...] = ()  # (param, type): --hosted-tools decides
+    top_logprobs: int | None = None  # as sent (the Response object echoes it)
+    # ``include`` names LOGPROBS: each token's log probability with ``top_logprobs``
+    # alternatives (0 when unset); None: no log probabilities.
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +121,12 @@ SERVED = frozenset(
         "stream",
         "background",
         "prompt_cache_key",  # the engine's affinity key: requests with one share a KV slot
+        "include",  # LOGPROBS; its other values ask for what nothing here makes: ignored
+        "top_logprobs",
     }
 )
+# The include value that asks for log probabilities.
+LOGPROBS = "message.output_text.logprobs"
 # The gateway's extensions: penalties (Chat Completions' names and range), lanes and
 # generate: false (the WebSocket's).
 EXTENSIONS = frozenset({"frequency_penalty", "presence_penalty", "stream_id", "generate"})
@@ -127,10 +137,8 @@ IGNORED: dict[str, str] = {
     "prompt_cache_retention": "the engine's cache keeps what it has room for",
     "prompt_cache_options": "the engine's cache keeps what it has room for",
     "service_tier": "one engine serves every request the same way",
-    "include": "extra output data (encrypted reasoning, sources) that no engine here makes",
     "reasoning": "the engines here do not reason before answering: no reasoning items",
     "stream_options": "obfuscation pads nothing here: events are sent as they are",
-    "top_logprobs": "no engine here reports log probabilities; 'logprobs' stay []",
     "max_tool_calls": "it bounds built-in (hosted) tool calls, which are not made here",
     "moderation": "no moderation model runs here",
     "context_management": "OpenAI's server-side compaction: a long prompt is cut by 'truncation'",
@@ -209,26 +217,36 @@ def read_create(obj: Mapping[str, Any], allowed_extra: frozenset[str] = frozense
             raise r.fail("truncation", "'truncation' must be 'auto' or 'disabled'.")
         fields["truncation"] = obj["truncation"]
     if r.has("text") and obj["text"] is not None:
-        _text_config(r.child("text"))
+        fields["text_format"] = _text_config(r.child("text"))
     if obj.get("prompt_cache_key") is not None:
         fields["affinity_key"] = PROMPT_CACHE_KEY + r.string("prompt_cache_key", max_chars=256)
+    if obj.get("top_logprobs") is not None:
+        fields["top_logprobs"] = r.integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if obj.get("include") is not None and LOGPROBS in _include(r):
+        fields["logprobs"] = fields.get("top_logprobs") or 0
     if r.has("input"):
         fields["input"] = read_input(r, "input")
     return CreateBody(**fields)
 
 
-def _text_config(t: Reader) -> None:
-    """Plain text only: a structured format needs a constrained decoder no engine here has."""
-    if t.has("format") and t.obj["format"] is not None:
-        f = t.child("format")
-        kind = f.obj.get("type")
-        if kind != "text":
-            raise f.fail(
-                "type",
-                f"'text.format.type' {kind!r} is not supported: this gateway's engines produce "
-                "plain text only (use 'text'), so structured output cannot be guaranteed.",
-                "unsupported_value",
-            )
+def _include(r: Reader) -> list[str]:
+    """``include``: OpenAI's includables. Only LOGPROBS asks for something made here; the
+    others (encrypted reasoning, search sources, images) are accepted and ignored."""
+    value = r.obj["include"]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise r.fail("include", "'include' must be a list of strings.", "invalid_type")
+    return value
+
+
+def _text_config(t: Reader) -> JSON | None:
+    """``text``: its ``format`` (None: plain text); ``verbosity`` is accepted and ignored
+    (the length is asked for with ``max_output_tokens``)."""
+    t.only(frozenset({"format", "verbosity"}))
+    if t.obj.get("verbosity") not in (None, "low", "medium", "high"):
+        raise t.fail("verbosity", "'text.verbosity' must be 'low', 'medium' or 'high'.")
+    if t.obj.get("format") is None:
+        return None
+    return formats.read_format(t.child("format"), nested=False)
 
 
 def read_input(r: Reader, key: str) -> tuple[AnyInput, ...]:
@@ -404,18 +422,40 @@ def decode(frame: str | bytes) -> ClientEvent:
 # Objects
 
 
-def text_part(text: str) -> JSON:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: Sequence[TokenLogprob] | None = None) -> JSON:
+    """An ``output_text`` part; its ``logprobs`` with their bytes (the part's shape)."""
+    return {
+        "type": "output_text",
+        "text": text,
+        "annotations": [],
+        "logprobs": [] if logprobs is None else [_part_logprob(lp) for lp in logprobs],
+    }
 
 
-def message_json(item_id: str, text: str | None, status: str) -> JSON:
+def _part_logprob(lp: TokenLogprob) -> JSON:
+    return {
+        "token": lp.token,
+        "bytes": list(lp.bytes),
+        "logprob": lp.logprob,
+        "top_logprobs": [
+            {"token": t.token, "bytes": list(t.bytes), "logprob": t.logprob} for t in lp.top
+        ],
+    }
+
+
+def message_json(
+    item_id: str,
+    text: str | None,
+    status: str,
+    logprobs: Sequence[TokenLogprob] | None = None,
+) -> JSON:
     """An assistant output message (``text`` None: opened, no part yet)."""
     return {
         "id": item_id,
         "type": "message",
         "role": "assistant",
         "status": status,
-        "content": [] if text is None else [text_part(text)],
+        "content": [] if text is None else [text_part(text, logprobs)],
     }
 
 

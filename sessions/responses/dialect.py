@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -29,11 +29,13 @@ import orjson
 from gateway.engines.base import (
     GenerationRequest,
     Message,
+    PromptLogprobs,
     SamplingParams,
+    TokenLogprob,
     ToolCallDelta,
 )
 from gateway.scheduler import Job, Outcome
-from sessions import codec, errors
+from sessions import codec, errors, formats
 from sessions.conversation import Item, items_to_messages
 from sessions.core import CallState, ResponseSpec, ResponseState, Session, item_status
 from sessions.realtime.dialect import check_tool_choice, input_items
@@ -48,11 +50,15 @@ MAX_WAITING = 1024  # turns waiting for a lane or a slot, per connection (memory
 MAX_PENDING_STEERS = 8
 
 # A response's text delta, as a template: the number and the text per delta; its item id
-# (and lane) spliced in once per response (ResponsesFraming.delta_ids).
+# (and lane) spliced in once per response (ResponsesFraming.delta_ids). With log
+# probabilities, they take the place of the empty list (a JSON key's quotes cannot occur
+# unescaped inside the ids' strings, so the first match is the field).
 _DELTA = (
     b'{"type":"response.output_text.delta","sequence_number":%%d%b'
     b',"output_index":0,"content_index":0,"logprobs":[],"delta":%%b}'
 )
+_NO_LOGPROBS, _LOGPROBS = b'"logprobs":[]', b'"logprobs":%b'
+
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +84,12 @@ class ResponsesFraming:
     def delta(self, seq: int, ids: bytes, text: str) -> bytes:
         return ids % (seq, orjson.dumps(text))
 
+    def delta_logprobs(
+        self, seq: int, ids: bytes, text: str, logprobs: Sequence[TokenLogprob]
+    ) -> bytes:
+        lps = orjson.dumps(codec.text_logprobs_json(logprobs))
+        return ids.replace(_NO_LOGPROBS, _LOGPROBS, 1) % (seq, lps, orjson.dumps(text))
+
 
 class _Prefill:
     """The sink of a ``generate: false`` turn's prefill job: its output is not wanted."""
@@ -88,6 +100,18 @@ class _Prefill:
         self._done = done
 
     def on_delta(self, job: Job, text: str, token_ids: tuple[int, ...] = ()) -> None:
+        pass
+
+    def on_logprobs_delta(
+        self,
+        job: Job,
+        text: str,
+        logprobs: tuple[TokenLogprob, ...],
+        token_ids: tuple[int, ...] = (),
+    ) -> None:
+        pass
+
+    def on_prompt_logprobs(self, job: Job, logprobs: PromptLogprobs) -> None:
         pass
 
     def on_tool_call_delta(self, job: Job, delta: ToolCallDelta) -> None:
@@ -305,8 +329,7 @@ class ResponsesDialect:
         self._ready.extendleft(reversed(skipped))
 
     def _lane_error(self, err: errors.ProtocolError, lane: Lane) -> None:
-        if self.core.metrics is not None:
-            self.core.metrics.errors.labels(code=err.code).inc()
+        self.core.note_refusal(err)
         self.error(err, lane.stream_id)
 
     def _history(self, lane: Lane, body: rp.CreateBody) -> StoredResponse | None:
@@ -360,6 +383,7 @@ class ResponsesDialect:
             presence_penalty=c.presence_penalty
             if body.presence_penalty == codec.UNSET
             else body.presence_penalty,
+            logprobs=body.logprobs,
         )
         turn = Turn(body, lane, history, items, int(time.time()), body.instructions, tools, choice)
         if not body.generate:
@@ -374,6 +398,10 @@ class ResponsesDialect:
             affinity_key=core.affinity(body.affinity_key) or lane.affinity_key,
             metadata=body.metadata,
             tag=turn,
+            constraint=formats.constraint(body.text_format) if body.text_format else None,
+            parallel_tool_calls=body.parallel_tool_calls,
+            logprobs_param="include",
+            model=body.model or "",
         )
         response = core.start_response(spec)
         if response is None:
@@ -397,7 +425,8 @@ class ResponsesDialect:
         request = GenerationRequest(
             request_id=response_id,
             messages=messages,
-            sampling=replace(sampling, max_output_tokens=1),
+            # A token to warm the cache with, whose log probabilities nobody reads.
+            sampling=replace(sampling, max_output_tokens=1, logprobs=None),
             affinity_key=core.affinity(turn.body.affinity_key) or lane.affinity_key,
         )
         job = Job(
@@ -472,8 +501,13 @@ class ResponsesDialect:
         for event in turns.text_opened(r):
             self._put(lane, event)
 
-    def text_delta(self, r: ResponseState, text: str) -> None:
-        self._put(self._turn(r).lane, turns.text_delta(r, text))
+    def text_delta(
+        self, r: ResponseState, text: str, logprobs: tuple[TokenLogprob, ...] | None
+    ) -> None:
+        self._put(self._turn(r).lane, turns.text_delta(r, text, logprobs))
+
+    def prompt_logprobs(self, r: ResponseState, logprobs: PromptLogprobs) -> None:
+        """Never asked for on this API."""
 
     def call_opened(self, r: ResponseState, call: CallState) -> None:
         turn = self._turn(r)
@@ -495,7 +529,7 @@ class ResponsesDialect:
             outputs.append(
                 (
                     r.text_index,
-                    self._close_text(lane, r, outcome.text, status),
+                    self._close_text(lane, r, outcome, status),
                     Item(r.item_id, "assistant", outcome.text, status),
                 )
             )
@@ -526,8 +560,10 @@ class ResponsesDialect:
         self._settle_steers(lane, turn, r.id, response_status, calls)
         self._after_turn(lane)
 
-    def _close_text(self, lane: Lane, r: ResponseState, text: str, status: str) -> codec.JSON:
-        events, item = turns.text_closed(r, text, status)
+    def _close_text(
+        self, lane: Lane, r: ResponseState, outcome: Outcome, status: str
+    ) -> codec.JSON:
+        events, item = turns.text_closed(r, outcome.text, status, outcome.logprobs)
         for event in events:
             self._put(lane, event)
         return item

@@ -14,8 +14,9 @@ new type fails until it is placed:
   prompt (``ignore``, the default: Codex offers ``web_search`` on every request) or
   refused (``refuse``). A ``tool_choice`` that names one is refused either way.
 - ``custom`` (free-form input): offered to the model as a function of one string
-  parameter, ``input`` (a ``grammar`` format goes in its description: no engine here
-  constrains its output to a grammar, so it is not enforced); a call comes back as a
+  parameter, ``input`` (a ``grammar`` format goes in its description too), marked
+  ``freeform`` with its ``grammar`` for the engines, which constrain that input to it
+  or refuse the request (gateway/engines/tool_format.py); a call comes back as a
   ``custom_tool_call`` item whose input streams in ``response.custom_tool_call_input``
   events, decoded from the arguments as they arrive (:class:`InputDecoder`).
 """
@@ -26,7 +27,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from gateway.engines.base import TOOL_CHOICE_MODES, Tool, ToolChoice
+from gateway.engines.base import TOOL_CHOICE_MODES, Constraint, Tool, ToolChoice
 from sessions.codec import JSON, MAX_TOOLS, TOOL_NAME, Reader, function_tool, tools_json
 
 # The fields of openai-python's FunctionToolParam (and of a namespace's function tools).
@@ -142,6 +143,7 @@ def _custom(t: Reader, tools: list[Tool], namespace: str = "", space: str = "") 
     description = t.optional_string("description") or ""
     fmt: JSON = {"type": "text"}
     about = "Free-form text input."
+    grammar: Constraint | None = None
     if t.obj.get("format") is not None:
         f = t.child("format")
         kind = f.required("type")
@@ -154,6 +156,7 @@ def _custom(t: Reader, tools: list[Tool], namespace: str = "", space: str = "") 
             definition = f.string("definition")
             fmt = {"type": "grammar", "syntax": syntax, "definition": definition}
             about = f"Input that matches this {syntax} grammar:\n{definition}"
+            grammar = Constraint(syntax, definition, name)
         elif kind == "text":
             f.only(frozenset({"type"}))
         else:
@@ -163,7 +166,7 @@ def _custom(t: Reader, tools: list[Tool], namespace: str = "", space: str = "") 
         "properties": {"input": {"type": "string", "description": about}},
         "required": ["input"],
     }
-    tools.append(Tool(flat, description, parameters))
+    tools.append(Tool(flat, description, parameters, freeform=True, grammar=grammar))
     return Mapped(flat, name, namespace, space, fmt, description)
 
 
@@ -241,7 +244,7 @@ def tools_echo(tools: tuple[Tool, ...], mapped: tuple[Mapped, ...]) -> list[JSON
     for tool, shown in zip(tools, tools_json(tools), strict=True):
         m = by_flat.get(tool.name)
         if m is None:
-            echoed.append({**shown, "strict": False})
+            echoed.append({**shown, "strict": tool.strict})
             continue
         if m.custom_format is not None:
             declared: JSON = {
@@ -251,7 +254,7 @@ def tools_echo(tools: tuple[Tool, ...], mapped: tuple[Mapped, ...]) -> list[JSON
                 "format": m.custom_format,
             }
         else:
-            declared = {**shown, "name": m.name, "strict": False}
+            declared = {**shown, "name": m.name, "strict": tool.strict}
         if not m.namespace:
             echoed.append(declared)
             continue

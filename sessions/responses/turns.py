@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from gateway.engines.base import Tool, ToolChoice
+from gateway.engines.base import TokenLogprob, Tool, ToolChoice
 from gateway.scheduler import Job, Outcome
 from sessions import codec, snapshot
 from sessions.conversation import Item
@@ -70,7 +70,9 @@ def response_json(
     error: codec.JSON | None = None,
 ) -> codec.JSON:
     body, c = turn.body, config
+    echo: codec.JSON = {} if body.top_logprobs is None else {"top_logprobs": body.top_logprobs}
     return {
+        **echo,
         "id": response_id,
         "object": "response",
         "created_at": turn.created_at,
@@ -88,7 +90,7 @@ def response_json(
         "parallel_tool_calls": body.parallel_tool_calls,
         "previous_response_id": body.previous_response_id,
         "temperature": c.temperature if body.temperature == codec.UNSET else body.temperature,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": body.text_format or {"type": "text"}},
         "tool_choice": codec.tool_choice_json(turn.tool_choice),
         "tools": rtools.tools_echo(turn.tools, body.mapped),
         "top_p": c.top_p if body.top_p == codec.UNSET else body.top_p,
@@ -115,24 +117,30 @@ def text_opened(r: ResponseState) -> list[codec.JSON]:
     ]
 
 
-def text_delta(r: ResponseState, text: str) -> codec.JSON:
+def text_delta(
+    r: ResponseState, text: str, logprobs: tuple[TokenLogprob, ...] | None = None
+) -> codec.JSON:
     return {
         "type": "response.output_text.delta",
         "item_id": r.item_id,
         "output_index": r.text_index,
         "content_index": 0,
         "delta": text,
-        "logprobs": [],
+        "logprobs": [] if logprobs is None else codec.text_logprobs_json(logprobs),
     }
 
 
-def text_closed(r: ResponseState, text: str, status: str) -> tuple[list[codec.JSON], codec.JSON]:
-    """The text's closing events, and its output item."""
+def text_closed(
+    r: ResponseState, text: str, status: str, logprobs: tuple[TokenLogprob, ...] | None = None
+) -> tuple[list[codec.JSON], codec.JSON]:
+    """The text's closing events, and its output item (with the answer's log
+    probabilities, for a response that asked for them)."""
     ids = {"item_id": r.item_id, "output_index": r.text_index, "content_index": 0}
-    item = rp.message_json(r.item_id, text, status)
+    item = rp.message_json(r.item_id, text, status, logprobs)
+    done_logprobs = [] if logprobs is None else codec.text_logprobs_json(logprobs)
     return [
-        {"type": "response.output_text.done", **ids, "text": text, "logprobs": []},
-        {"type": "response.content_part.done", **ids, "part": rp.text_part(text)},
+        {"type": "response.output_text.done", **ids, "text": text, "logprobs": done_logprobs},
+        {"type": "response.content_part.done", **ids, "part": item["content"][0]},
         {"type": "response.output_item.done", "output_index": r.text_index, "item": item},
     ], item
 

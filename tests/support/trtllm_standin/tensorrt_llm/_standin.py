@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tensorrt_llm.executor.result import Logprob, TokenLogprobs
+
 try:  # what real chat templates raise through ``raise_exception``
     from jinja2.exceptions import TemplateError
 except ImportError:  # jinja2 is not installed with the gateway's test dependencies
@@ -70,6 +72,10 @@ class Controls:
     # The tokenizer's Jinja template text (HF's ``tokenizer.chat_template``), from which the
     # adapter tells the model's tool-call format.
     chat_template_text: str | None = None
+    # Where the token the "model" generates ranks in its distribution (1: likeliest). A
+    # rank beyond SamplingParams.logprobs leaves it out of the top-k the worker reports,
+    # as the real PyTorch sampler does (_torch/pyexecutor/sampler.py, handle_logprobs).
+    sampled_rank: int = 1
 
 
 @dataclass
@@ -281,9 +287,31 @@ class ErrorResponse:
     message: str
 
 
-# One item the worker posts to a request's loop: new token ids, finish reason, cached tokens;
-# or an ErrorResponse.
-Post = tuple[list[int], str | None, int] | ErrorResponse
+# One item the worker posts to a request's loop: new token ids, finish reason, cached tokens,
+# the new tokens' log probabilities and the prompt's (None when not asked); or an
+# ErrorResponse.
+Post = tuple[list[int], str | None, int, TokenLogprobs | None, TokenLogprobs | None] | ErrorResponse
+# The top-k alternatives' words (each one id of the stand-in tokenizer).
+_ALTERNATIVES = tuple(f"alt{n}" for n in range(1, 21))
+
+
+def logprob_value(position: int, rank: int) -> float:
+    """The stand-in model's log probability for the token of ``rank`` at ``position``."""
+    return -0.1 - 0.5 * (rank - 1) - 0.01 * (position % 10)
+
+
+def top_logprobs(
+    tokenizer: StandinTokenizer, token: int, position: int, k: int, rank: int = 1
+) -> dict[int, Logprob]:
+    """The top ``k`` of the distribution at ``position`` whose token ``token`` ranks
+    ``rank``: as the real sampler reports them (top-k only, ranks from 1), the other ranks
+    held by the alternative words."""
+    others = iter(tokenizer.encode(w, add_special_tokens=False)[0] for w in _ALTERNATIVES)
+    ranked = {}
+    for r in range(1, k + 1):
+        tid = token if r == rank else next(others)
+        ranked[tid] = Logprob(logprob_value(position, r), r)
+    return ranked
 
 
 @dataclass
@@ -296,8 +324,11 @@ class _Active:
     deliver: Callable[[Post], None]
     streaming: bool
     cached: int
+    logprobs: int = 0  # top-k per token (SamplingParams.logprobs; 0: none)
+    prompt_logprobs: TokenLogprobs | None = None  # reported with every response
     output_ids: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)  # held back when not streaming
+    pending_logprobs: TokenLogprobs = field(default_factory=list)
     abort_seen_at: int | None = None  # step at which abort() was observed
 
 
@@ -324,8 +355,10 @@ class StepEngine:
         max_batch_size: int,
         max_seq_len: int,
         block_reuse: bool,
+        guided_backend: str | None = None,
     ) -> None:
         self._tokenizer = tokenizer
+        self._guided_backend = guided_backend
         self._max_batch = max_batch_size
         self.max_seq_len = max_seq_len
         self._block_reuse = block_reuse
@@ -360,7 +393,13 @@ class StepEngine:
             )
             max_tokens = room
         record.max_tokens = max_tokens
-        plan = self._tokenizer.encode(controls.reply, add_special_tokens=False)
+        try:
+            reply = self._reply(record)
+        except ValueError as exc:  # the grammar matcher's own error, as the worker's
+            record.error = str(exc)
+            _post(deliver, ErrorResponse(str(exc)))
+            return
+        plan = self._tokenizer.encode(reply, add_special_tokens=False)
         plan = plan[self._answered(record.prompt_token_ids, plan) :]
         active = _Active(
             record=record,
@@ -371,11 +410,35 @@ class StepEngine:
             deliver=deliver,
             streaming=record.streaming,
             cached=self.cached_prefix(record.prompt_token_ids),
+            logprobs=sp.logprobs or 0,
+            prompt_logprobs=self._prompt_logprobs(record.prompt_token_ids, plan, sp),
         )
         with self._cond:
             self._waiting.append(active)
             stats._add_running(1)
             self._cond.notify()
+
+    def _reply(self, record: RequestRecord) -> str:
+        """What the toy model answers: ``controls.reply``, or, under guided decoding with
+        a backend, a text the guide accepts (``controls.reply`` when it does, else one
+        walked from the grammar). Without a backend the guide is ignored, as the real
+        LLM ignores it (it answers unconstrained: NVIDIA/TensorRT#4855)."""
+        guide = record.sampling_params.guided_decoding
+        if guide is None or self._guided_backend is None:
+            return controls.reply
+        return guided_reply(self._guided_backend, guide, seed=record.request_id)
+
+    def _prompt_logprobs(self, prompt: list[int], plan: list[int], sp: Any) -> TokenLogprobs | None:
+        """From the context logits, as the real worker computes them (executor/result.py,
+        compute_logprobs): position t's top-k predicts token t + 1 (the last one the first
+        generated token), and only the top-k is kept, the actual token's or not."""
+        if not sp.prompt_logprobs:
+            return None
+        following = [*prompt[1:], plan[0] if plan else EOS_ID]
+        return [
+            top_logprobs(self._tokenizer, token, t, sp.prompt_logprobs)
+            for t, token in enumerate(following)
+        ]
 
     def _answered(self, prompt: list[int], plan: list[int]) -> int:
         """Tokens of the reply the prompt already holds after its last generation prompt.
@@ -505,6 +568,11 @@ class StepEngine:
             self._drop(active)
             self._finish(active, "end_id", [])
             return
+        logprobs = []
+        if active.logprobs:
+            position = len(active.output_ids)
+            rank = controls.sampled_rank
+            logprobs.append(top_logprobs(self._tokenizer, token, position, active.logprobs, rank))
         record.generated += 1
         if record.aborted:
             record.tokens_after_abort += 1
@@ -512,22 +580,35 @@ class StepEngine:
         forced = controls.finish_with
         if forced is not None and record.generated >= controls.finish_after:
             self._drop(active)
-            self._finish(active, forced, [token])
+            self._finish(active, forced, [token], logprobs)
         elif any(active.output_ids[-len(w) :] == w for w in active.stop_words if w):
             self._drop(active)
-            self._finish(active, "stop_words", [token])
+            self._finish(active, "stop_words", [token], logprobs)
         elif record.generated >= active.max_tokens:
             self._drop(active)
-            self._finish(active, "length", [token])
+            self._finish(active, "length", [token], logprobs)
         elif active.streaming:
-            _post(active.deliver, ([token], None, active.cached))
+            _post(active.deliver, ([token], None, active.cached, *self._logprobs(active, logprobs)))
         else:
             active.pending.append(token)
+            active.pending_logprobs += logprobs
 
-    def _finish(self, active: _Active, reason: str, tokens: list[int]) -> None:
+    def _logprobs(
+        self, active: _Active, new: TokenLogprobs
+    ) -> tuple[TokenLogprobs | None, TokenLogprobs | None]:
+        """What a response carries of them: the new tokens' (when asked) and the prompt's
+        (every response, as the PyTorch worker returns them)."""
+        return (new if active.logprobs else None), active.prompt_logprobs
+
+    def _finish(
+        self, active: _Active, reason: str, tokens: list[int], logprobs: TokenLogprobs | None = None
+    ) -> None:
         active.record.finish_reason = reason
-        _post(active.deliver, ([*active.pending, *tokens], reason, active.cached))
+        new = [*active.pending_logprobs, *(logprobs or [])]
+        tail = self._logprobs(active, new)
+        _post(active.deliver, ([*active.pending, *tokens], reason, active.cached, *tail))
         active.pending = []
+        active.pending_logprobs = []
         stats._add_running(-1)
 
 
@@ -625,3 +706,78 @@ def make_deliver(loop: asyncio.AbstractEventLoop | None, queue_: Any) -> Callabl
     if loop is None:
         return lambda item: queue_.put(item)
     return lambda item: loop.call_soon_threadsafe(queue_.put_nowait, item)
+
+
+def guided_reply(backend: str, guide: Any, *, seed: int) -> str:
+    """A text ``guide`` accepts, as the backend would compile it
+    (_torch/pyexecutor/grammar_matcher.py): LLGuidance takes Lark for ``grammar``;
+    xgrammar takes EBNF there, which this stand-in cannot compile, so it refuses one."""
+    import llguidance
+
+    if guide.json_object:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+    elif guide.json is not None:
+        schema = guide.json if isinstance(guide.json, str) else json.dumps(guide.json)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    elif guide.regex is not None:
+        grammar = llguidance.LLMatcher.grammar_from_regex(guide.regex)
+    elif guide.grammar is not None and backend == "llguidance":
+        grammar = llguidance.LLMatcher.grammar_from_lark(guide.grammar)
+    elif guide.grammar is not None:
+        raise ValueError("xgrammar: this stand-in cannot compile an EBNF grammar")
+    else:
+        raise ValueError(f"Unsupported guide type: {guide!r}.")
+    if controls.reply and _accepts(grammar, controls.reply):
+        return controls.reply
+    return _walk(grammar, seed)
+
+
+class _Bytes:
+    """A byte vocabulary for LLGuidance (the stand-in has no real one)."""
+
+    eos_token_id = 256
+    bos_token_id = None
+
+    def __init__(self) -> None:
+        self.tokens = [bytes([i]) for i in range(256)] + [b"\xff<eos>"]
+        self.special_token_ids = [256]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+def _matcher(grammar: str) -> Any:
+    import llguidance
+
+    matcher = llguidance.LLMatcher(
+        llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes())), grammar, log_level=0
+    )
+    if matcher.is_error():
+        raise ValueError(f"LLGuidance matcher error: {matcher.get_error()}")
+    return matcher
+
+
+def _accepts(grammar: str, text: str) -> bool:
+    matcher = _matcher(grammar)
+    data = list(text.encode())
+    return bool(matcher.try_consume_tokens(data) == len(data) and matcher.is_accepting())
+
+
+def _walk(grammar: str, seed: int) -> str:
+    """A random walk through the grammar, one byte at a time, ending where it may."""
+    import random
+
+    rng = random.Random(seed)
+    matcher = _matcher(grammar)
+    out = bytearray()
+    while len(out) < 4096:
+        if matcher.is_accepting():
+            return out.decode(errors="replace")
+        mask = matcher.compute_logit_bias()
+        allowed = [b for b in range(0x20, 0x7F) if mask[b]] + ([0x0A] if mask[0x0A] else [])
+        if not allowed:
+            break
+        byte = rng.choice(allowed)
+        matcher.consume_token(byte)
+        out.append(byte)
+    raise ValueError("LLGuidance matcher error: the stand-in found no text for this guide")

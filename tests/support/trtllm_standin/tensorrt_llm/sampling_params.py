@@ -4,13 +4,32 @@ A subset of the real fields, with the real names, defaults and validation
 (tensorrt_llm/sampling_params.py): keyword-only and slotted, so a misspelt or invented
 field fails loudly; ``top_p`` outside [0, 1], ``top_k < 0`` or ``temperature < 0`` is a
 ``ValueError`` at construction. The seed is checked where the real one is: by the worker,
-which fails the request when it is not an unsigned 64-bit integer.
+which fails the request when it is not an unsigned 64-bit integer. ``logprobs`` and
+``prompt_logprobs`` are taken as the real ``_validate`` takes them (``x and int(x)``: 0 and
+None ask for nothing).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+
+@dataclass(slots=True, kw_only=True)
+class GuidedDecodingParams:
+    """The real class's fields (tensorrt_llm/sampling_params.py): only one guide may be
+    set, which ``SamplingParams`` checks at construction."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | None = None
+
+    def _validate(self) -> None:
+        num_guides = sum(bool(getattr(self, f.name)) for f in fields(self))
+        if num_guides > 1:
+            raise ValueError(f"Only one guide can be used for a request, but got {num_guides}.")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -34,12 +53,18 @@ class SamplingParams:
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # Keep in sync with tllme.OutputConfig, as the real class says.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
     ignore_eos: bool = False
     detokenize: bool = True
     add_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         if self.pad_id is None:
@@ -60,6 +85,11 @@ class SamplingParams:
             raise ValueError(
                 f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}"
             )
+        if self.guided_decoding is not None:
+            self.guided_decoding._validate()
+        # As the real one: logprobs=True asks for the top-1; 0 and None for nothing.
+        self.logprobs = self.logprobs and int(self.logprobs)
+        self.prompt_logprobs = self.prompt_logprobs and int(self.prompt_logprobs)
 
     @staticmethod
     def params_imply_greedy_decoding(

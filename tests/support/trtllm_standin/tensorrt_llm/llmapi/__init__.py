@@ -18,11 +18,13 @@ from typing import Any
 
 from tensorrt_llm import _standin
 from tensorrt_llm._standin import RequestError
-from tensorrt_llm.sampling_params import SamplingParams
+from tensorrt_llm.executor.result import TokenLogprobs
+from tensorrt_llm.sampling_params import GuidedDecodingParams, SamplingParams
 
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "GuidedDecodingParams",
     "KvCacheConfig",
     "RequestError",
     "RequestOutput",
@@ -41,7 +43,10 @@ _VALID_KWARGS = {
     "enable_chunked_prefill",
     "pipeline_parallel_size",
     "stream_interval",
+    "guided_decoding_backend",
 }
+# llmapi/llm_args.py: guided_decoding_backend: Optional[Literal["xgrammar", "llguidance"]]
+_GUIDED_BACKENDS = (None, "xgrammar", "llguidance")
 _ids = itertools.count(1)
 
 
@@ -59,13 +64,21 @@ class KvCacheConfig:
 
 @dataclass(slots=True)
 class CompletionOutput:
+    """As executor/result.py's: ``logprobs`` one dict (token id -> Logprob) per generated
+    token, the top ``SamplingParams.logprobs`` there; ``prompt_logprobs`` one per prompt
+    position (position t's predicts token t + 1)."""
+
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: TokenLogprobs = field(default_factory=list)
+    prompt_logprobs: TokenLogprobs = field(default_factory=list)
     finish_reason: str | None = None  # 'stop' | 'length' | 'timeout' | 'cancelled'
     stop_reason: int | str | None = None
     _last_text_len: int = field(default=0, repr=False)
     _last_token_ids_len: int = field(default=0, repr=False)
+    _last_logprobs_len: int = field(default=0, repr=False)
 
     @property
     def length(self) -> int:
@@ -78,6 +91,10 @@ class CompletionOutput:
     @property
     def token_ids_diff(self) -> list[int]:
         return self.token_ids[self._last_token_ids_len :]
+
+    @property
+    def logprobs_diff(self) -> TokenLogprobs:
+        return self.logprobs[self._last_logprobs_len :]
 
 
 _FINISH_REASONS = {
@@ -172,12 +189,18 @@ class RequestOutput:
         if isinstance(item, _standin.ErrorResponse):
             self._executor._handle_background_error(item.message)  # raises RequestError
             return
-        new_ids, reason, cached = item
+        new_ids, reason, cached, logprobs, prompt_logprobs = item
         out = self.outputs[0]
         self.cached_tokens = cached
         out._last_token_ids_len = len(out.token_ids)
         out._last_text_len = len(out.text)
         out.token_ids.extend(new_ids)
+        # As _handle_sequence: the prompt's replaced, the new tokens' appended.
+        if prompt_logprobs is not None:
+            out.prompt_logprobs = prompt_logprobs
+        if logprobs is not None:
+            out._last_logprobs_len = len(out.logprobs)
+            out.logprobs += logprobs
         if reason is not None:
             self._done = True
             out.finish_reason = _FINISH_REASONS[reason]
@@ -233,6 +256,11 @@ class LLM:
         for key in kwargs:
             if key not in _VALID_KWARGS:
                 raise ValueError(f"{self.__class__.__name__} got invalid argument: {key}")
+        if kwargs.get("guided_decoding_backend") not in _GUIDED_BACKENDS:
+            raise ValueError(
+                "guided_decoding_backend: Input should be 'xgrammar' or 'llguidance', got "
+                f"{kwargs['guided_decoding_backend']!r}"
+            )
         kv = kwargs.get("kv_cache_config")
         if kv is not None and not isinstance(kv, KvCacheConfig):
             raise TypeError("kv_cache_config must be a KvCacheConfig")
@@ -254,6 +282,7 @@ class LLM:
             max_seq_len=kwargs.get("max_seq_len"),
             enable_chunked_prefill=kwargs.get("enable_chunked_prefill", False),
             kv_cache_config=kv,
+            guided_decoding_backend=kwargs.get("guided_decoding_backend"),
         )
         self._hf_model_config = SimpleNamespace(
             max_position_embeddings=_standin.controls.max_position_embeddings
@@ -264,6 +293,7 @@ class LLM:
             self.args.max_batch_size,
             self._worker_max_seq_len(kv),
             kv.enable_block_reuse,
+            self.args.guided_decoding_backend,
         )
         process = _standin.start_worker_process() if _standin.controls.worker_process else None
         self._executor: _standin.Executor | None = _standin.Executor(worker, process)
