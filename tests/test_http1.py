@@ -163,6 +163,78 @@ def get(path: str, *extra: str) -> bytes:
     ).encode()
 
 
+async def raw_response(reader: asyncio.StreamReader) -> bytes:
+    """One response's bytes as sent (its body by Content-Length, or chunks to the last)."""
+    async with asyncio.timeout(10):
+        head = await reader.readuntil(b"\r\n\r\n")
+        if b"\r\ntransfer-encoding: chunked\r\n" in head.lower():
+            body = b""
+            while not body.endswith(b"\r\n0\r\n\r\n") and body != b"0\r\n\r\n":
+                body += await reader.readuntil(b"\r\n")
+            return head + body
+        length = int(head.lower().partition(b"content-length: ")[2].partition(b"\r\n")[0] or 0)
+        return head + await reader.readexactly(length)
+
+
+# A header of obs-text: h11 takes it, the common-shape reader (request_head.py) does not.
+H11_ONLY = "X-Note: caf\xe9"
+
+
+@pytest.mark.parametrize(
+    "request_lines",
+    [
+        ["GET /healthz HTTP/1.1"],
+        ["GET /nope HTTP/1.1"],
+        ["GET /test/boom HTTP/1.1"],
+        ["POST /test/echo/b?n=3 HTTP/1.1", "Content-Type: text/plain", "Content-Length: 2"],
+        ["DELETE /v1/realtime HTTP/1.1"],
+        ["GET /healthz HTTP/1.1", "Connection: close"],
+        ["GET /healthz HTTP/1.1", "Connection: keep-alive, Close"],
+    ],
+    ids=["json", "404", "500", "post-body", "405", "close", "close-token"],
+)
+async def test_the_common_shape_is_answered_as_h11_answers_it(
+    gw: RouteGateway, request_lines: list[str]
+) -> None:
+    """Requests read without h11 (request_head.py) get the bytes h11 would have written:
+    each sent plain and with a header that only h11 reads, on a connection of its own."""
+    answers = []
+    for extra in ((), (H11_ONLY,)):
+        lines = [request_lines[0], "Host: t", *request_lines[1:], *extra, "", ""]
+        body = b"hi" if "Content-Length: 2" in lines else b""
+        reader, writer = await connect(gw)
+        writer.write("\r\n".join(lines).encode("latin-1") + body)
+        raw = await raw_response(reader)
+        # The request id differs from request to request: the rest may not.
+        start = raw.lower().index(b"x-request-id: ") + len(b"x-request-id: ")
+        answers.append(raw[:start] + raw[raw.index(b"\r\n", start) :])
+        if "close" in "".join(request_lines).lower():
+            assert await closed(reader)
+        else:  # kept alive: a second request on it is answered too
+            writer.write(get("/healthz"))
+            assert (await read_response(reader))[0] == 200
+        writer.close()
+    assert answers[0] == answers[1]
+
+
+async def test_a_stream_read_without_h11_is_chunked_as_h11_chunks_it(gw: RouteGateway) -> None:
+    answers = []
+    for extra in ((), (H11_ONLY,)):
+        reader, writer = await connect(gw)
+        writer.write(get("/test/wait", *extra))
+        async with asyncio.timeout(10):
+            head = await reader.readuntil(b"\r\n\r\n")
+            size = await reader.readuntil(b"\r\n")
+            first = size + await reader.readexactly(int(size, 16) + 2)
+        start = head.lower().index(b"x-request-id: ") + len(b"x-request-id: ")
+        answers.append(head[:start] + head[head.index(b"\r\n", start) :] + first)
+        writer.close()
+        await gw.finished.wait()
+        gw.finished.clear()
+    assert answers[0] == answers[1]
+    assert b"\r\nTransfer-Encoding: chunked\r\n" in answers[0]
+
+
 async def test_two_requests_on_one_connection(gw: RouteGateway) -> None:
     reader, writer = await connect(gw)
     for _ in range(2):
