@@ -9,10 +9,12 @@ events as dicts and bytes. Each dialect's own codec (``sessions/realtime/codec.p
 
 from __future__ import annotations
 
+import base64
 import enum
 import math
+import os
 import re
-import secrets
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
@@ -40,12 +42,51 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 ID_RANDOM_BYTES = 10  # 80 bits: no client guesses the id of an item it did not make
 # Event ids come from the session's outbox: its random tag and the event's sequence number.
+_POOL_BYTES = 4096
+
+
+class _RandomPool:
+    """The OS's random bytes (``os.urandom``, what :mod:`secrets` draws from), read 4 KiB
+    at a time: an id used to cost a system call of its own, and a request makes several.
+    Each byte is handed out once; a forked child starts with an empty pool."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool = b""
+        self._at = 0
+        os.register_at_fork(after_in_child=self._forget)
+
+    def take(self, count: int) -> bytes:
+        with self._lock:
+            end = self._at + count
+            if end > len(self._pool):
+                self._pool, self._at, end = os.urandom(max(_POOL_BYTES, count)), 0, count
+            chunk = self._pool[self._at : end]
+            self._at = end
+            return chunk
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._pool, self._at = b"", 0
+
+
+_random = _RandomPool()
+
+
+def random_hex(count: int) -> str:
+    """``count`` random bytes as hex (``secrets.token_hex``'s)."""
+    return _random.take(count).hex()
+
+
+def random_token(count: int) -> str:
+    """``count`` random bytes as URL-safe base64 (``secrets.token_urlsafe``'s)."""
+    return base64.urlsafe_b64encode(_random.take(count)).rstrip(b"=").decode("ascii")
 
 
 def new_id(prefix: str) -> str:
     """An id no client can predict, such as ``item_9c1e...``: for sessions, conversations,
     items and responses, whose ids a client may also choose (items) or must not guess."""
-    return f"{prefix}_{secrets.token_hex(ID_RANDOM_BYTES)}"
+    return f"{prefix}_{_random.take(ID_RANDOM_BYTES).hex()}"
 
 
 # ---------------------------------------------------------------------------

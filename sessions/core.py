@@ -27,7 +27,6 @@ import asyncio
 import functools
 import hmac
 import logging
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
@@ -352,13 +351,14 @@ class Session:
         self.origin = origin
         self._ending_response = False  # response_ended runs: its error is no refusal
         self.conversation = Conversation()
-        self._inbox = Inbox[_Inbound]()
+        # Not Inbox[_Inbound](): a generic alias made at run time costs a typing lookup.
+        self._inbox: Inbox[_Inbound] = Inbox()
         self._unhandled = 0
         self._room: asyncio.Event | None = None  # made when a reader first has to wait
         self._responses: dict[Job, ResponseState] = {}
         self._closing: _Close | None = None
         self._close_requested = False
-        self.resume_token = resume_token or secrets.token_urlsafe(24)  # 192 bits; never logged
+        self.resume_token = resume_token or codec.random_token(24)  # 192 bits; never logged
         self._previous_token: str | None = None  # see resume()
         self._expiry: asyncio.TimerHandle | None = None
         # Told after every turn of the actor (a session store saves the session then).
@@ -443,7 +443,7 @@ class Session:
             # A fresh token; the one presented stays valid beside it until the client shows
             # it has the fresh one: if this connection drops before the resumed event
             # reaches the client, its next resume (with the token it holds) must still work.
-            self._previous_token, self.resume_token = token, secrets.token_urlsafe(24)
+            self._previous_token, self.resume_token = token, codec.random_token(24)
         resumed = self.dialect.resumed(self.resume_token)
         self.outbox.attach(wire, replay if resumed is None else [resumed, *replay])
         if self.metrics is not None:

@@ -146,7 +146,10 @@ class Outbox:
         coalesce: bool = True,
         replay_bytes: int = 256 << 10,
         replay_budget: ReplayBudget | None = None,
+        unread: bool = False,
     ) -> None:
+        """``unread``: no socket will ever read these events (a one-shot HTTP answer, whose
+        handler waits for its result alone): each is dropped as it comes, unencoded."""
         # Lists with a head index rather than deques: an idle session's outbox is then a few
         # hundred bytes smaller (a deque keeps a 64-slot block even when empty). Each is
         # cleared when its head reaches the end, so "not self._pending" means empty.
@@ -163,7 +166,7 @@ class Outbox:
         self._coalesce = coalesce
         self._wire: Wire | None = None
         self._writer: asyncio.Task[None] | None = None
-        self._closed = False
+        self._closed = unread  # accepts nothing: what put and put_delta look at first
         self._framing = framing
         self._seq = framing.first_sequence_number - 1
         self._seq_start = self._seq  # frames numbered here: _seq - _seq_start

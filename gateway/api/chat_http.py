@@ -109,6 +109,7 @@ class ChatCompletionsHttp:
             kept=False,
             tenant=tenant,
             origin=request.record,
+            unread=not command.body.stream,  # the handler waits for the chat.completion
         )
         try:
             await session.deliver(command)

@@ -374,7 +374,10 @@ class SimEngine(Engine):
             messages, _ = fit_to_context(messages, count_tokens, self.context_tokens - answer_room)
         finish: FinishReason = "stop"
         tokens: list[str | ToolCallDelta]
-        if calls := tool_call_plan(replace(request, messages=tuple(messages))):
+        fitted = (
+            request if messages is request.messages else replace(request, messages=tuple(messages))
+        )
+        if calls := tool_call_plan(fitted):
             tokens, finish = list(calls), "tool_calls"
         elif request.constraint is not None:
             tokens = list(formatted_answer(request.constraint, render(messages)))

@@ -15,7 +15,6 @@ on its turn; the observer is told of the start, a refusal and the end.
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -126,7 +125,7 @@ class ChatDialect:
         )
         self._body = body
         self._head = {
-            "id": f"chatcmpl-{secrets.token_hex(12)}",
+            "id": f"chatcmpl-{codec.random_hex(12)}",
             "object": "chat.completion.chunk",
             "created": int(time.time()),
             "model": body.model or c.model,

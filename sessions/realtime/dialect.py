@@ -10,7 +10,6 @@ responses beside it. Events are numbered from 1, ``session.created`` first.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -61,7 +60,7 @@ class RealtimeFraming:
     replays_first = False
 
     def __init__(self) -> None:
-        self._tag = secrets.token_hex(4).encode()  # event ids: unique per session
+        self._tag = codec.random_hex(4).encode()  # event ids: unique per session
 
     def numbered(self, seq: int, body: bytes) -> bytes:
         # The body is an encoded JSON object: splice the two fields in after "{".
