@@ -139,12 +139,36 @@ AnyItemSpec: TypeAlias = ItemSpec | FunctionCallSpec | FunctionCallOutputSpec
 
 
 class Reader:
-    """Validates one JSON object's fields, remembering the event_id for errors."""
+    """Validates one JSON object's fields, remembering the event_id for errors.
 
-    def __init__(self, obj: Mapping[str, Any], path: str, event_id: str | None) -> None:
+    A child's path (``tools[3].name``) is spelled out only when an error needs it: a long
+    input list is read without a string made per item."""
+
+    __slots__ = ("_index", "_key", "_parent", "_path", "event_id", "obj")
+
+    def __init__(
+        self,
+        obj: Mapping[str, Any],
+        path: str | None,
+        event_id: str | None,
+        parent: Reader | None = None,
+        key: str = "",
+        index: int = -1,
+    ) -> None:
         self.obj = obj
-        self.path = path
+        self._path = path  # None: the parent's ``key`` (and ``[index]``), when asked
+        self._parent = parent
+        self._key = key
+        self._index = index
         self.event_id = event_id
+
+    @property
+    def path(self) -> str:
+        if self._path is None:
+            assert self._parent is not None
+            path = self._parent.param(self._key)
+            self._path = path if self._index < 0 else f"{path}[{self._index}]"
+        return self._path
 
     def param(self, key: str) -> str:
         return f"{self.path}.{key}" if self.path else key
@@ -246,12 +270,12 @@ class Reader:
         value = self.obj[key]
         if not isinstance(value, dict):
             raise self.fail(key, f"'{self.param(key)}' must be an object.", "invalid_type")
-        return Reader(value, self.param(key), self.event_id)
+        return Reader(value, None, self.event_id, self, key)
 
     def child_at(self, key: str, index: int, value: Any) -> Reader:
         if not isinstance(value, dict):
             raise self.fail(f"{key}[{index}]", "Each item must be an object.", "invalid_type")
-        return Reader(value, f"{self.param(key)}[{index}]", self.event_id)
+        return Reader(value, None, self.event_id, self, key, index)
 
 
 # Chat Completions' range for both penalties.

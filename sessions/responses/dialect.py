@@ -361,8 +361,10 @@ class ResponsesDialect:
         if previous is not None and lane.latest is previous and lane.pending_steers:
             queued, lane.pending_steers = [*lane.pending_steers, *queued], []
         steer_specs = tuple(spec for _, steer in queued for spec in steer.input)
-        new = input_items((*steer_specs, *body.input), "input", None, history)
-        items = tuple(replace(i, id=i.id or core.free_item_id()) for i in new)
+        items = tuple(input_items((*steer_specs, *body.input), "input", None, history))
+        for item in items:  # made just now, by input_items: theirs to name
+            if not item.id:
+                item.id = core.free_item_id()
         tools = c.tools if body.tools == codec.UNSET else body.tools
         choice = c.tool_choice if body.tool_choice == codec.UNSET else body.tool_choice
         check_tool_choice(tools, choice, "", None)
