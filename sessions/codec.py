@@ -14,7 +14,6 @@ import enum
 import math
 import os
 import re
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
@@ -48,25 +47,23 @@ _POOL_BYTES = 4096
 class _RandomPool:
     """The OS's random bytes (``os.urandom``, what :mod:`secrets` draws from), read 4 KiB
     at a time: an id used to cost a system call of its own, and a request makes several.
-    Each byte is handed out once; a forked child starts with an empty pool."""
+    Each byte is handed out once; a forked child starts with an empty pool. Used on the
+    event loop's thread (the session layer's), which needs no lock."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._pool = b""
         self._at = 0
         os.register_at_fork(after_in_child=self._forget)
 
     def take(self, count: int) -> bytes:
-        with self._lock:
-            end = self._at + count
-            if end > len(self._pool):
-                self._pool, self._at, end = os.urandom(max(_POOL_BYTES, count)), 0, count
-            chunk = self._pool[self._at : end]
-            self._at = end
-            return chunk
+        at = self._at
+        end = at + count
+        if end > len(self._pool):
+            self._pool, at, end = os.urandom(max(_POOL_BYTES, count)), 0, count
+        self._at = end
+        return self._pool[at:end]
 
     def _forget(self) -> None:
-        self._lock = threading.Lock()
         self._pool, self._at = b"", 0
 
 

@@ -358,13 +358,25 @@ class Session:
         self._responses: dict[Job, ResponseState] = {}
         self._closing: _Close | None = None
         self._close_requested = False
-        self.resume_token = resume_token or codec.random_token(24)  # 192 bits; never logged
+        # 192 bits, never logged; made when first asked (a one-shot HTTP answer never is).
+        self._resume_token = resume_token
         self._previous_token: str | None = None  # see resume()
         self._expiry: asyncio.TimerHandle | None = None
         # Told after every turn of the actor (a session store saves the session then).
         self.on_change: Callable[[Session], None] | None = None
         self.outbox.on_overflow = self._overflowed
         dialect.attach(self, greet)
+
+    @property
+    def resume_token(self) -> str:
+        """The secret that proves a client had this session (a resume presents it)."""
+        if self._resume_token is None:
+            self._resume_token = codec.random_token(24)
+        return self._resume_token
+
+    @resume_token.setter
+    def resume_token(self, token: str) -> None:
+        self._resume_token = token
 
     # -- inputs (any task) ---------------------------------------------------
 
