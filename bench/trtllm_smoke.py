@@ -29,6 +29,9 @@ one small model once and:
      default): an answer under a JSON Schema parses and holds to it, ``tool_choice``
      ``required`` gives a call of the tool with arguments that hold to its parameters, and a
      custom tool's Lark grammar is kept; each request goes as ``GuidedDecodingParams``;
+   - issue 39 (completions): ``POST /v1/completions`` on a raw prompt gives what
+     ``generate_async`` gives on that prompt string (greedy), and the same from its token
+     ids; an echo with ``logprobs`` and ``max_tokens: 0`` scores the prompt's tokens;
    - item 3 (last, it destroys the engine; ``--skip-crash`` to leave it out): every worker
      process is killed mid-answer; the live answer must end ``failed`` with
      ``engine_unavailable``, ``/readyz`` must turn 503, and the event loop must never stall.
@@ -509,6 +512,33 @@ async def check_logprobs(engine: TrtllmEngine, http: str) -> None:
     record("issue 38", not problems, why)
 
 
+async def check_completions(engine: TrtllmEngine, http: str) -> None:
+    """Issue 39: a raw prompt (no chat template) through ``POST /v1/completions`` equals
+    ``generate_async`` on that prompt string, greedy; token ids give the same answer; an
+    echo with logprobs and max_tokens 0 scores the prompt's own tokens."""
+    from tensorrt_llm import SamplingParams as TrtSampling
+
+    llm, prompt = engine.llm, "The capital of France is"
+    direct = llm.generate_async(prompt, TrtSampling(max_tokens=8, temperature=0.0))
+    expected = (await direct.aresult()).outputs[0].text
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+    text_answer = await asyncio.to_thread(_post, f"{http}/v1/completions", body)
+    ids = llm.tokenizer.encode(prompt, add_special_tokens=True)
+    ids_answer = await asyncio.to_thread(_post, f"{http}/v1/completions", {**body, "prompt": ids})
+    score = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1}
+    scored = await asyncio.to_thread(_post, f"{http}/v1/completions", score)
+    problems = []
+    got = [((a.get("choices") or [{}])[0]).get("text") for a in (text_answer, ids_answer)]
+    if got != [expected, expected]:
+        problems.append(f"generate_async said {expected!r}; the route said {got}")
+    choice = (scored.get("choices") or [{}])[0]
+    tokens = (choice.get("logprobs") or {}).get("tokens") or []
+    if choice.get("text") != prompt or len(tokens) != len(ids):
+        problems.append(f"the echo answered {str(scored)[:200]}")
+    why = "; ".join(problems) or f"{expected!r} from text and from {len(ids)} token ids alike"
+    record("issue 39", not problems, why)
+
+
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
     request = urllib.request.Request(
         url, json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -649,6 +679,7 @@ async def gateway_mode(llm: Any, args: argparse.Namespace, builder: threading.Th
         await check_continuation(engine)
         await check_guided(engine)
         await check_logprobs(engine, f"http://{base}")
+        await check_completions(engine, f"http://{base}")
         if args.skip_crash:
             record("item 3", None, "--skip-crash")
         else:

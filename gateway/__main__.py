@@ -34,6 +34,7 @@ from gateway.transport import tls
 log = logging.getLogger("gateway")
 
 PROG = "llm-gateway"
+SERVED_APIS = "Realtime, Responses, Chat Completions, Completions"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOOPS = ("asyncio", "uvloop")
 LOOP_ENV_VAR = "LLM_GATEWAY_LOOP"
@@ -153,8 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="python -m gateway",
         usage="%(prog)s [options]",
-        description="Streaming LLM gateway: the OpenAI Realtime text protocol over WebSocket,"
-        " and a chat page on the same port. README.md explains every flag.",
+        description="Streaming LLM gateway: OpenAI's Realtime (WebSocket), Responses (WebSocket"
+        " and HTTP), Chat Completions and Completions APIs, and a chat page, on one port over"
+        " one shared engine. README.md explains every flag.",
         formatter_class=_HelpFormatter,
     )
     server = parser.add_argument_group("server")
@@ -229,6 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         metavar="N",
         help="responses waiting for a slot",
+    )
+    limits.add_argument(
+        "--max-choices",
+        type=_number(int, 1, 128),
+        default=16,
+        metavar="N",
+        help="choices per completions request",
     )
     limits.add_argument(
         "--max-sessions",
@@ -475,6 +484,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         tls=tls_from_args(args),
         max_running=args.max_running,
         max_queued=args.max_queued,
+        max_choices=args.max_choices,
         max_sessions=args.max_sessions,
         max_message_bytes=args.max_message_bytes,
         allowed_origins=tuple(args.allowed_origin),
@@ -520,6 +530,7 @@ def ready_line(gateway: Gateway, seconds: float) -> str:
     return (
         f"ready in {seconds:.1f} s: chat page {page}://{base}/ · WebSocket {ws}://{base}/v1/realtime"
         f" · model {gateway.model} ({gateway.engine.name} engine{worker})"
+        f" · OpenAI API {page}://{base}/v1: {SERVED_APIS}"
     )
 
 

@@ -46,6 +46,7 @@ class GatewayConfig:
     response_store_ttl: float = 3600.0  # seconds a stored response can be continued
     background_retention: float = 600.0  # seconds a background response's events are kept
     served_model_names: tuple[str, ...] = ()  # --served-model-name; none: any name
+    max_choices: int = 16  # --max-choices: answers one (Chat) Completions request may ask for
     responses_websocket: bool = True  # --no-responses-websocket: its upgrade answers 426
     hosted_tools: str = "ignore"  # --hosted-tools: "ignore" or "refuse" (OpenAI's own tools)
     responses_max_age: float = 3600.0  # seconds a Responses WebSocket may stay open; 0: no limit

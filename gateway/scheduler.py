@@ -183,6 +183,15 @@ class Scheduler:
         ``request`` as asked (see ``Engine.check``): before the request is admitted."""
         self.engine.check(request)
 
+    @property
+    def room(self) -> int:
+        """How many jobs :meth:`submit` would take now (each a free slot or queue place):
+        a request with several choices starts all of them or none."""
+        if self._closing:
+            return 0
+        free = max(0, self.max_running - len(self._running))
+        return free + max(0, self.max_queued - self._queued)
+
     def submit(self, job: Job) -> bool:
         """Queue ``job`` and start what fits. False (and nothing kept) if full."""
         if self._closing or (

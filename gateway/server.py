@@ -23,6 +23,8 @@ from websockets.asyncio.server import Server, ServerConnection, serve, unix_serv
 from gateway.api import auth, routes
 from gateway.api.admission import Admission
 from gateway.api.chat_http import ChatCompletionsHttp
+from gateway.api.completions_http import CompletionsHttp
+from gateway.api.embeddings_http import EmbeddingsHttp
 from gateway.api.responses_http import ResponsesHttp
 from gateway.api.websocket import WebSocketEndpoint, select_subprotocol
 from gateway.cluster import worker_relay
@@ -131,6 +133,8 @@ class Gateway:
             config, self, self.table, self.admission, self.response_store, self.persistence
         )
         self.chat_http = ChatCompletionsHttp(config, self, self.table, self.admission)
+        self.completions_http = CompletionsHttp(config, self, self.table, self.admission)
+        self.embeddings_http = EmbeddingsHttp(config, self, self.table, self.admission)
         self._server: Server | None = None
         # The live TLS context of the listening socket; SIGHUP loads new files into it.
         self._tls: ssl.SSLContext | None = None
@@ -206,7 +210,14 @@ class Gateway:
     def _routes(self) -> Router:
         """Every plain HTTP route (a test's subclass adds its own)."""
         return routes.router(
-            self.config, self, self.table, self.admission, self.responses_http, self.chat_http
+            self.config,
+            self,
+            self.table,
+            self.admission,
+            self.responses_http,
+            self.chat_http,
+            self.completions_http,
+            self.embeddings_http,
         )
 
     def _handshake_dropped(self, reason: str) -> None:

@@ -51,7 +51,9 @@ class SessionTable:
         # What a new session starts with: the engine's and the command line's defaults.
         self.defaults = defaults
         self.limits = SessionLimits(
-            served_models=config.served_model_names, hosted_tools=config.hosted_tools
+            served_models=config.served_model_names,
+            hosted_tools=config.hosted_tools,
+            max_choices=config.max_choices,
         )
         self.keeper: SessionKeeper | None = None
         self._by_id: dict[str, Session] = {}

@@ -105,19 +105,19 @@ class TenantBook:
 
     # -- answers -----------------------------------------------------------------------
 
-    def refuse_request(self, tenant: str) -> OverLimit | None:
-        """Whether ``tenant`` may start another answer now (and if not, why)."""
+    def refuse_request(self, tenant: str, answers: int = 1) -> OverLimit | None:
+        """Whether ``tenant`` may start ``answers`` more answers now (and if not, why):
+        each choice of a request with several is an answer."""
         limits = self.of(tenant)
         if limits is NO_LIMITS:
             return None
-        if limits.max_running is not None and self.in_flight[tenant] >= limits.max_running:
-            return OverLimit(
-                f"This key has {limits.max_running} answers running, its max_running.", 1.0
-            )
+        running = limits.max_running
+        if running is not None and self.in_flight[tenant] + answers > running:
+            return OverLimit(f"This key has {running} answers running, its max_running.", 1.0)
         usage = self._window(tenant)
         now = self._clock()
         rpm = limits.requests_per_minute
-        if rpm is not None and len(usage.requests) >= rpm:
+        if rpm is not None and len(usage.requests) + answers > rpm:
             wait = usage.requests[0] + WINDOW_S - now if usage.requests else WINDOW_S
             return OverLimit(f"This key's requests_per_minute ({rpm}) is used up.", wait)
         tpm = limits.tokens_per_minute

@@ -38,6 +38,7 @@ from gateway.engines.base import (
     InvalidRequestError,
     LogprobsUnsupportedError,
     Message,
+    Prompt,
     PromptLogprobs,
     SamplingParams,
     TokenLogprob,
@@ -66,6 +67,9 @@ class SessionLimits:
     served_models: tuple[str, ...] = ()
     # --hosted-tools: what a Responses request's hosted tools (web_search...) get.
     hosted_tools: str = "ignore"  # left out of the prompt; "refuse": unsupported_value
+    # --max-choices: the most answers one Chat Completions or Completions request may ask
+    # for (n, best_of, and a Completions request's prompts).
+    max_choices: int = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +103,10 @@ class ResponseSpec:
     tag: object = None  # the dialect's own data for this response (its lane, its body...)
     constraint: Constraint | None = None  # what the answer's text must match
     parallel_tool_calls: bool = True
+    # A raw prompt instead of ``messages`` (the Completions API's), and the text its
+    # answer leads into (fill in the middle): see GenerationRequest.
+    prompt: Prompt | None = None
+    suffix: str | None = None
     # The client's field that asked for log probabilities (sampling.logprobs): the param of
     # the 400 an engine that cannot report them answers with.
     logprobs_param: str = "logprobs"
@@ -119,6 +127,8 @@ class ResponseSpec:
             tool_choice=self.tool_choice,
             constraint=self.constraint,
             parallel_tool_calls=self.parallel_tool_calls,
+            prompt=self.prompt,
+            suffix=self.suffix,
             trace_context=trace_context,
         )
 
@@ -700,10 +710,10 @@ class Session:
             return ()
         return self.observability.trace_fields(record)
 
-    def check_rate_limits(self) -> None:
-        """Raise ``rate_limit_exceeded`` if the session's tenant may start no answer now
-        (its key file line's limits: gateway/tenants.py)."""
-        over = self.scheduler.tenants.refuse_request(self.tenant)
+    def check_rate_limits(self, answers: int = 1) -> None:
+        """Raise ``rate_limit_exceeded`` if the session's tenant may not start ``answers``
+        answers now (its key file line's limits: gateway/tenants.py)."""
+        over = self.scheduler.tenants.refuse_request(self.tenant, answers)
         if over is None:
             return
         if self.metrics is not None:

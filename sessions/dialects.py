@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sessions.chat.dialect import ChatDialect, ChatFraming
+from sessions.chat.dialect import ChatDialect, chat_framing
+from sessions.completions.dialect import CompletionsDialect, completion_framing
 from sessions.core import Dialect, Session
 from sessions.outbox import Framing
 from sessions.realtime.dialect import RealtimeDialect, RealtimeFraming
@@ -64,13 +65,23 @@ RESPONSES = DialectKind(
 
 
 def _chat(_context: DialectContext) -> tuple[Dialect, Framing]:
-    framing = ChatFraming()
+    framing = chat_framing()
     return ChatDialect(framing), framing
+
+
+def _completions(_context: DialectContext) -> tuple[Dialect, Framing]:
+    framing = completion_framing()
+    return CompletionsDialect(framing), framing
 
 
 # One answer per HTTP request, never kept in a store (no client can resume it).
 CHAT = DialectKind("chat", _chat, rotates_resume_token=False, continued_responses=_no_responses)
-BY_NAME: dict[str, DialectKind] = {kind.name: kind for kind in (REALTIME, RESPONSES, CHAT)}
+COMPLETIONS = DialectKind(
+    "completions", _completions, rotates_resume_token=False, continued_responses=_no_responses
+)
+BY_NAME: dict[str, DialectKind] = {
+    kind.name: kind for kind in (REALTIME, RESPONSES, CHAT, COMPLETIONS)
+}
 
 
 def kind_of(session: Session) -> DialectKind:

@@ -210,7 +210,7 @@ async def test_a_non_streaming_tool_call_is_one_message_with_tool_calls(
     [
         ({"messages": []}, 400, "invalid_type", "messages"),
         ({}, 400, "missing_required_parameter", "messages"),
-        ({"n": 2}, 400, "unsupported_value", "n"),
+        ({"n": 17}, 400, "invalid_value", "n"),  # over --max-choices (16)
         ({"top_logprobs": 2}, 400, "invalid_value", "top_logprobs"),
         ({"response_format": {"type": "xml"}}, 400, "invalid_value", "response_format.type"),
         ({"functions": [{"name": "f"}]}, 400, "unsupported_value", "functions"),

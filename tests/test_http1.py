@@ -258,7 +258,7 @@ async def test_pipelined_requests_are_answered_in_order(gw: RouteGateway) -> Non
     assert status == 200 and int(headers["content-length"]) > 0
     assert (await read_response(reader))[2] == b'{"name":"b","n":null,"body":"hi"}'
     status, _, body = await read_response(reader)
-    assert (status, body) == (404, b"Not found: /nope. The WebSocket is at /v1/realtime.\n")
+    assert status == 404 and b"Invalid URL (GET /nope)" in body
     writer.close()
 
 
@@ -511,7 +511,7 @@ async def test_a_websocket_upgrade_elsewhere_is_404(gw: RouteGateway) -> None:
     reader, writer = await connect(gw)
     writer.write(handshake().replace(b"/v1/realtime", b"/healthz"))
     status, _, body = await read_response(reader)
-    assert (status, body) == (404, b"Not found: /healthz. The WebSocket is at /v1/realtime.\n")
+    assert status == 404 and b"Invalid URL (GET /healthz)" in body
     writer.close()
 
 
@@ -548,7 +548,8 @@ async def test_a_method_a_pattern_has_no_route_for_is_405_with_allow(gw: RouteGa
     reader, writer = await connect(gw)
     writer.write(b"PUT /test/echo/x HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n")
     status, headers, body = await read_response(reader)
-    assert (status, headers["allow"], body) == (405, "POST", b"PUT is not served here.\n")
+    assert (status, headers["allow"]) == (405, "POST")
+    assert b"Invalid method for URL (PUT /test/echo/x): send POST." in body
     writer.write(b"DELETE /healthz HTTP/1.1\r\nHost: t\r\n\r\n")  # kept alive after a 405
     status, headers, _ = await read_response(reader)
     assert (status, headers["allow"]) == (405, "GET, HEAD")

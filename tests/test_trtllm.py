@@ -1121,7 +1121,7 @@ async def test_disconnect_aborts_in_the_engine(standin: ModuleType) -> None:
 def test_smoke_script_runs_on_the_standin() -> None:
     # bench/trtllm_smoke.py is for GPU machines; on the stand-in it checks the script's
     # own logic (the three modes, the gateway in-process, a mid-stream cancel, and the
-    # checks of items 1, 3 and 10 and of issues 31 and 38) so that it cannot rot.
+    # checks of items 1, 3 and 10 and of issues 31, 38 and 39) so that it cannot rot.
     env = {**os.environ, "PYTHONPATH": str(STANDIN_ROOT), "TRTLLM_STANDIN_WORKER_PROCESS": "1"}
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "trtllm_smoke.py"), "--model", MODEL],
@@ -1134,7 +1134,15 @@ def test_smoke_script_runs_on_the_standin() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     for label in ("[sync llm.generate]", "[async gather]", "[async streaming]", "cancelled"):
         assert label in result.stdout
-    for item in ("item 1", "item 3", "item 10", "issue 31", "issue 38", "issue 38 structured"):
+    for item in (
+        "item 1",
+        "item 3",
+        "item 10",
+        "issue 31",
+        "issue 38",
+        "issue 38 structured",
+        "issue 39",
+    ):
         assert f"[{item}] PASS" in result.stdout, result.stdout
 
 

@@ -1,7 +1,9 @@
 """The plain HTTP routes of the gateway's port: health, readiness, metrics, the chat page,
-client secrets, and a word for a GET that should have been a WebSocket upgrade.
+client secrets, a word for a GET that should have been a WebSocket upgrade, and OpenAI's
+404 and 405 for everything else (gateway/api/not_served.py).
 
-The Responses API's routes are gateway/api/responses_http.py's; :func:`router` adds them.
+The APIs' routes are their modules' (responses_http.py, chat_http.py, completions_http.py,
+embeddings_http.py); :func:`router` adds them.
 """
 
 from __future__ import annotations
@@ -9,6 +11,9 @@ from __future__ import annotations
 from gateway.api import auth, static_files
 from gateway.api.admission import Admission, Entry, bearer
 from gateway.api.chat_http import ChatCompletionsHttp
+from gateway.api.completions_http import CompletionsHttp
+from gateway.api.embeddings_http import EmbeddingsHttp
+from gateway.api.not_served import not_allowed, not_found
 from gateway.api.responses_http import ResponsesHttp
 from gateway.api.status import ServerState
 from gateway.config import GatewayConfig
@@ -34,10 +39,12 @@ def router(
     admission: Admission,
     responses_http: ResponsesHttp,
     chat_http: ChatCompletionsHttp,
+    completions_http: CompletionsHttp,
+    embeddings_http: EmbeddingsHttp,
 ) -> Router:
     """Every plain HTTP route (gateway/transport/router.py says how to add one)."""
     routes = _Routes(config, state, table, admission)
-    router = Router(_not_found)
+    router = Router(not_found, not_allowed=not_allowed)
     router.add("GET", "/healthz", routes.healthz)
     router.add("GET", "/readyz", routes.readyz)
     router.add("GET", "/metrics", routes.metrics)
@@ -49,9 +56,10 @@ def router(
         router.add("GET", path + "/", _websocket_only)
     for path in CLIENT_SECRETS_PATHS:
         router.add("POST", path, routes.mint_client_secret)
-        router.add("*", path, _mint_with_post)
     responses_http.register(router)
     chat_http.register(router)
+    completions_http.register(router)
+    embeddings_http.register(router)
     return router
 
 
@@ -124,7 +132,7 @@ class _Routes:
 async def _page(request: HttpRequest, reply: HttpReply) -> None:
     found = static_files.page(request.params.get("name", "index.html"))
     if found is None:
-        await _not_found(request, reply)
+        await not_found(request, reply)
         return
     body, content_type = found
     reply.send(200, body, content_type, static_files.PAGE_HEADERS)
@@ -137,19 +145,6 @@ async def _websocket_only(request: HttpRequest, reply: HttpReply) -> None:
         f"This is the {name} WebSocket endpoint: connect with a WebSocket client.",
         {"Upgrade": "websocket"},
     )
-
-
-async def _not_found(request: HttpRequest, reply: HttpReply) -> None:
-    if request.method in ("GET", "HEAD"):
-        reply.send_text(
-            404, f"Not found: {request.path}. The WebSocket is at {WEBSOCKET_PATHS[0]}."
-        )
-    else:
-        reply.send_text(405, f"{request.method} is not served here.", {"Allow": "GET, HEAD"})
-
-
-async def _mint_with_post(request: HttpRequest, reply: HttpReply) -> None:
-    api_error(reply, 405, "Mint a client secret with POST.", "method_not_allowed")
 
 
 def api_error(

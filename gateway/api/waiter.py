@@ -1,7 +1,7 @@
 """What an HTTP request waits on while its session answers: the start of its answer (or a
-refusal) and its end. It is the observer the Responses and Chat Completions dialects tell
-(:class:`~sessions.responses.dialect.ResponseObserver`,
-:class:`~sessions.chat.dialect.ChatObserver`)."""
+refusal) and its end. It is the observer the Responses, Chat Completions and Completions
+dialects tell (:class:`~sessions.responses.dialect.ResponseObserver`,
+:class:`~sessions.choices.RequestObserver`)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 An engine never sees a socket or a protocol event. The scheduler hands it a
 :class:`GenerationRequest` (the conversation as plain messages plus sampling
-settings) with :meth:`Engine.submit`, and may stop it with
+settings, or a raw prompt that no chat template touches) with :meth:`Engine.submit`,
+and may stop it with
 :meth:`Engine.abort`; the engine reports what each step produced, for all its
 requests at once, into :attr:`Engine.outputs`: text (and tool-call) deltas,
 then exactly one :class:`Finished` or :class:`EngineError` per request. One
@@ -141,6 +142,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
 
+Prompt: TypeAlias = str | tuple[int, ...]
+"""A raw prompt: text the engine tokenizes as it is, or the token ids themselves."""
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     request_id: str
@@ -156,6 +161,13 @@ class GenerationRequest:
     # The token ids that text was generated from, where the engine reported them
     # (TextDelta.token_ids: TensorRT-LLM), so that it continues from exactly those tokens.
     continuation_token_ids: tuple[int, ...] = ()
+    # A raw prompt (the Completions API's): sent as it is, with no chat template, no
+    # instructions and nothing dropped to fit; ``messages`` is then empty. A prompt that
+    # does not fit the context window fails with ContextOverflowError.
+    prompt: Prompt | None = None
+    # Text the answer must lead into (fill in the middle, after ``prompt``); only engines
+    # whose ``can_fill_in_middle`` is true are given one.
+    suffix: str | None = None
     # W3C Trace Context fields (traceparent, tracestate) naming the gateway's span for this
     # answer (or the client's, when the gateway exports no traces): an engine that sends
     # the generation to a server passes them on, so that its trace joins the client's.
@@ -300,6 +312,18 @@ class InvalidRequestError(EngineError):
     error_type = "invalid_request_error"
 
 
+def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
+    """Refuse a prompt's token id that the model has no embedding for: an engine would
+    fail on it (or worse: a GPU kernel's out-of-range read)."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            "invalid_value",
+            f"The prompt's token id {bad} is outside the model's vocabulary "
+            f"(0 to {vocab_size - 1}).",
+        )
+
+
 class LogprobsUnsupportedError(InvalidRequestError):
     """The engine (or the replica it asked) cannot report the log probabilities the request
     asks for: a 400 that says so, never an answer with an empty list."""
@@ -335,6 +359,7 @@ class Engine(abc.ABC):
 
     name: str = "engine"
     can_continue: bool = False  # takes GenerationRequest.continuation
+    can_fill_in_middle: bool = False  # takes GenerationRequest.suffix
     reports_logprobs: bool = False  # fills TextDelta.logprobs when a request asks
     reports_prompt_logprobs: bool = False  # reports PromptLogprobs when a request asks
     default_instructions: str = ""  # a session's instructions until it sets its own
@@ -430,6 +455,11 @@ class Engine(abc.ABC):
     def describe(self) -> dict[str, object]:
         """Extra facts for logs and ``/healthz`` (model name, context size...)."""
         return {}
+
+    async def embeddings(self, body: bytes) -> tuple[int, bytes] | None:
+        """``POST /v1/embeddings`` passed on as the client sent it: the status and JSON body
+        of the answer, or None where the engine serves no embeddings (the default)."""
+        return None
 
     @property
     def context_window(self) -> int | None:

@@ -59,6 +59,7 @@ from gateway.engines.base import (
     Finished,
     FinishReason,
     GenerationRequest,
+    InvalidRequestError,
     LogprobsUnsupportedError,
     Message,
     Output,
@@ -70,6 +71,7 @@ from gateway.engines.base import (
     ToolCallDelta,
     Usage,
     chat_messages,
+    check_token_ids,
     fit_to_context,
 )
 from gateway.engines.openai_chat import (
@@ -372,6 +374,11 @@ class _LoopbackApi:
         body = {"content": prompt, "add_special": True, "parse_special": True}
         return len(self.post("/tokenize", body)["tokens"])
 
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (its ``/v1/models`` entry says it), 0 if unsaid."""
+        models = self.get("/v1/models").get("data") or [{}]
+        return int((models[0].get("meta") or {}).get("n_vocab") or 0)
+
     def count_text(self, text: str) -> int:
         """Tokens of ``text`` alone (an answer so far)."""
         return len(self.post("/tokenize", {"content": text, "add_special": False})["tokens"])
@@ -489,6 +496,7 @@ class LlamaCppEngine(Engine):
         # Whether the chat template shows tools to the model (SmolLM2's does not): if not,
         # tools go in the gateway's own format (gateway/engines/structured.py).
         self.template_renders_tools = False
+        self._vocab_size = 0  # the model's, once started (a raw prompt's ids are checked)
 
     @property
     def capacity(self) -> int:
@@ -531,8 +539,8 @@ class LlamaCppEngine(Engine):
         began = time.perf_counter()
         api_key = secrets.token_urlsafe(24)
         self._server = await _in_thread(lambda: self._load(api_key), "llamacpp-load")
-        self._api = _LoopbackApi(self._server.listening_address, api_key)
-        api = self._api
+        self._api = api = _LoopbackApi(self._server.listening_address, api_key)
+        self._vocab_size = await _in_thread(api.vocab_size, "llamacpp-vocab")
         self.template_renders_tools = await _in_thread(
             lambda: _renders_tools(api), "llamacpp-template"
         )
@@ -598,6 +606,8 @@ class LlamaCppEngine(Engine):
 
     def check(self, request: GenerationRequest) -> None:
         sampling = request.sampling
+        if self._vocab_size and isinstance(request.prompt, tuple):
+            check_token_ids(request.prompt, self._vocab_size)
         if sampling.prompt_logprobs is not None:
             raise LogprobsUnsupportedError(
                 "llama.cpp does not report log probabilities for the prompt's own tokens "
@@ -667,34 +677,27 @@ class LlamaCppEngine(Engine):
                 return True
 
         terminal: Output
+        request = generation.request
         try:
-            generation.plan = self._plan(generation.request)
+            generation.plan = self._plan(request)
             if generation.plan.generic:
-                generation.calls = CallText(generation.request)
-            messages = self._fit(generation)
-            if generation.request.continuation and self._api is not None:
-                # The answer's budget and usage are the whole answer's, its first part too.
-                generation.continued = self._api.count_text(generation.request.continuation)
-            generation.stopped = generation.cancelled.is_set()
-            if not generation.stopped:
-                self._server.handle_chat_completions(self._body(generation, messages), callback)
-                self._flush_calls(generation)
-            if isinstance(generation.failure, EngineError):
-                raise generation.failure
-            if generation.failure is not None:
-                raise EngineError(
-                    "engine_error", f"the llamacpp engine failed mid-answer: {generation.failure!r}"
-                ) from generation.failure
-            if generation.error is not None:
-                raise _error_from(generation.error)
-            if generation.stopped and generation.aborted:
-                terminal = Finished("cancelled", _usage(generation))
-            elif generation.stopped:
-                terminal = EngineError(
-                    "engine_closed", "the engine shut down during the generation"
-                )
+                generation.calls = CallText(request)
+            # A conversation goes through llama.cpp's chat handler (its chat template), a
+            # raw prompt through its completion handler, as it is.
+            if request.prompt is None:
+                head: dict[str, Any] = {"messages": chat_messages(self._fit(generation))}
             else:
-                terminal = Finished(generation.finish_reason, _usage(generation))
+                head = {"prompt": self._raw_prompt(request)}
+            if request.continuation and self._api is not None:
+                # The answer's budget and usage are the whole answer's, its first part too.
+                generation.continued = self._api.count_text(request.continuation)
+            generation.stopped = generation.cancelled.is_set()
+            if request.sampling.max_output_tokens == 0:
+                # Nothing to generate (a legacy echo of the prompt alone): llama.cpp would
+                # still make one token, so the prompt is only counted.
+                terminal = self._count_only(generation, head)
+            else:
+                terminal = self._generate(generation, head, callback)
         except EngineError as exc:
             terminal = exc
         except Exception as exc:
@@ -703,6 +706,59 @@ class LlamaCppEngine(Engine):
             generation.loop.call_soon_threadsafe(self._worker_done, generation, terminal)
         except RuntimeError:  # the loop closed: nobody listens, but the slot is free
             self._let_go(generation)
+
+    def _generate(
+        self,
+        generation: _Generation,
+        head: dict[str, Any],
+        callback: Callable[[dict[str, Any]], bool],
+    ) -> Output:
+        """Run the generation to its end (the callback reports its chunks); its terminal
+        output. Raises :class:`EngineError`."""
+        if not generation.stopped:
+            body = self._body(generation, head)
+            if "messages" in head:
+                self._server.handle_chat_completions(body, callback)
+                self._flush_calls(generation)
+            else:
+                self._server.handle_completions(body, callback)
+        if isinstance(generation.failure, EngineError):
+            raise generation.failure
+        if generation.failure is not None:
+            raise EngineError(
+                "engine_error", f"the llamacpp engine failed mid-answer: {generation.failure!r}"
+            ) from generation.failure
+        if generation.error is not None:
+            raise _error_from(generation.error)
+        if generation.stopped and generation.aborted:
+            return Finished("cancelled", _usage(generation))
+        if generation.stopped:
+            return EngineError("engine_closed", "the engine shut down during the generation")
+        return Finished(generation.finish_reason, _usage(generation))
+
+    def _raw_prompt(self, request: GenerationRequest) -> str | list[int | str]:
+        """A raw prompt as llama.cpp's completion handler takes it: text (special tokens
+        written in it are parsed, as llama.cpp's own server does), or token ids, followed
+        by a continued answer's text (llama.cpp reads a mixed list of both)."""
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            return prompt + request.continuation
+        assert prompt is not None  # its ids were checked against the vocabulary (check)
+        return [*prompt, request.continuation] if request.continuation else list(prompt)
+
+    def _count_only(self, generation: _Generation, head: dict[str, Any]) -> Output:
+        """The prompt's tokens, reported without generating any."""
+        assert self._api is not None
+        if "messages" in head:
+            tokens = self._api.count_tokens(generation.request.messages)
+        elif isinstance(head["prompt"], str):
+            body = {"content": head["prompt"], "add_special": True, "parse_special": True}
+            tokens = len(self._api.post("/tokenize", body)["tokens"])
+        else:
+            tokens = len(head["prompt"])
+        if generation.cancelled.is_set():
+            return Finished("cancelled", Usage(tokens, 0))
+        return Finished("length", Usage(tokens, 0))
 
     def _fit(self, generation: _Generation) -> tuple[Message, ...]:
         """Drop the oldest turns until the prompt plus the answer budget fits one slot.
@@ -734,11 +790,13 @@ class LlamaCppEngine(Engine):
             )
         return messages
 
-    def _body(self, generation: _Generation, messages: Sequence[Message]) -> dict[str, Any]:
+    def _body(self, generation: _Generation, head: dict[str, Any]) -> dict[str, Any]:
+        """What llama.cpp's handler gets: ``head`` (the messages or the prompt), the
+        structure's grammar and every sampling setting."""
         sampling, the_plan = generation.request.sampling, generation.plan
         assert the_plan is not None
         body: dict[str, Any] = {
-            "messages": chat_messages(messages),
+            **head,
             "stream": True,
             "stream_options": {"include_usage": True},
             "id_slot": generation.slot,
@@ -765,6 +823,11 @@ class LlamaCppEngine(Engine):
             "presence_penalty": sampling.presence_penalty,
         }
         body.update({key: value for key, value in optional.items() if value is not None})
+        if "prompt" in head and sampling.logprobs is not None:
+            # The completion handler reads its alternatives from an integer ``logprobs``
+            # (``true`` there is one alternative, whatever ``top_logprobs`` says).
+            del body["top_logprobs"]
+            body["logprobs"] = max(1, sampling.logprobs)
         return body
 
     def _on_chunk(self, generation: _Generation, chunk: dict[str, Any]) -> bool:
@@ -773,7 +836,10 @@ class LlamaCppEngine(Engine):
             generation.error = chunk["error"]
             return True
         choices = chunk.get("choices") or ()
-        text = "".join((c.get("delta") or {}).get("content") or "" for c in choices)
+        # A chat chunk's text is its delta's content; a completion chunk's, its text.
+        text = "".join(
+            (c.get("delta") or {}).get("content") or c.get("text") or "" for c in choices
+        )
         calls = [call for c in choices for call in tool_call_deltas(c.get("delta") or {})]
         if generation.cancelled.is_set():
             generation.stopped = True
@@ -830,7 +896,7 @@ def _chunk_logprobs(choices: Sequence[dict[str, Any]], top: int) -> tuple[TokenL
     have (raised, not answered without them)."""
     found: list[TokenLogprob] = []
     for choice in choices:
-        if (choice.get("delta") or {}).get("content"):
+        if (choice.get("delta") or {}).get("content") or choice.get("text"):
             logprobs = choice_logprobs(choice, top)
             if logprobs is None:
                 raise LogprobsUnsupportedError("llama.cpp sent text without its log probabilities")
@@ -906,4 +972,6 @@ def _error_from(error: dict[str, Any]) -> EngineError:
     message = str(error.get("message", error))
     if error.get("type") == "exceed_context_size_error":
         return ContextOverflowError(message)
+    if error.get("type") == "invalid_request_error":
+        return InvalidRequestError("invalid_value", f"llama.cpp: {message}")
     return EngineError("engine_error", f"llama.cpp: {message}")

@@ -41,10 +41,12 @@ import re
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TypeAlias
 
 from gateway.engines import instances
 from gateway.engines.base import (
     Constraint,
+    ContextOverflowError,
     Engine,
     EngineError,
     Finished,
@@ -59,6 +61,7 @@ from gateway.engines.base import (
     Tool,
     ToolCallDelta,
     Usage,
+    check_token_ids,
     fit_to_context,
 )
 
@@ -101,6 +104,8 @@ _WORD_BITS = len(_WORDS).bit_length()
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
 _MESSAGE_OVERHEAD = 4  # like a chat template's role markers
 _MAX_CATCH_UP = 50  # missed steps run back to back after the event loop was away
+VOCAB_SIZE = 50_000  # a raw prompt's token ids: each stands for one of the words above
+FILL_MARK = "<|fill|>"  # between a prompt and its suffix: the answer fills the middle
 ARGUMENT_PIECE_CHARS = 8  # a call's arguments stream this many characters a step
 TOOL_ANSWER_PREFIX = "The tool returned: "
 
@@ -126,6 +131,25 @@ def _content(message: Message) -> str:
 
 def render(messages: Sequence[Message]) -> str:
     return "".join(f"<|{m.role}|>{_content(m)}<|end|>" for m in messages) + "<|assistant|>"
+
+
+def decode_ids(ids: Sequence[int]) -> str:
+    """The text of a raw prompt's token ids: the sim's vocabulary is its words, in turn."""
+    return " ".join(_WORDS[i % len(_WORDS)] for i in ids)
+
+
+def raw_prompt(request: GenerationRequest) -> tuple[str, int]:
+    """A raw prompt's text as the sim answers it (the suffix after a fill mark) and its
+    tokens (words and symbols of text, or the ids themselves)."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        text, tokens = prompt, _text_tokens(prompt)
+    else:
+        assert prompt is not None
+        text, tokens = decode_ids(prompt), len(prompt)
+    if request.suffix is not None:
+        text += FILL_MARK + request.suffix
+    return text, tokens
 
 
 def answer_tokens(prompt: str, length: int) -> list[str]:
@@ -261,6 +285,10 @@ def _cut_at_stop(tokens: list[str], stop: Sequence[str]) -> list[str]:
     return out
 
 
+_Plan: TypeAlias = tuple[list[str | ToolCallDelta], FinishReason, int, str]
+"""An answer's tokens, how it ends, and its prompt's tokens and text."""
+
+
 @dataclass(eq=False, slots=True)
 class _Stream:
     request_id: str
@@ -286,6 +314,7 @@ def _after(tokens: list[str | ToolCallDelta], sent: str) -> list[str | ToolCallD
 class SimEngine(Engine):
     name = "sim"
     can_continue = True
+    can_fill_in_middle = True
     reports_logprobs = True
     reports_prompt_logprobs = True
 
@@ -361,31 +390,20 @@ class SimEngine(Engine):
         self._streams[request.request_id] = stream
         self._wake.set()
 
+    def check(self, request: GenerationRequest) -> None:
+        if request.prompt is not None and not isinstance(request.prompt, str):
+            check_token_ids(request.prompt, VOCAB_SIZE)
+        super().check(request)
+
     def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.aborted = True
 
     def _open(self, request: GenerationRequest) -> _Stream:
-        messages: Sequence[Message] = request.messages
         budget = request.sampling.max_output_tokens
-        if self.context_tokens is not None:
-            answer_room = min(budget or self.response_tokens, self.context_tokens // 2)
-            messages, _ = fit_to_context(messages, count_tokens, self.context_tokens - answer_room)
-        finish: FinishReason = "stop"
-        tokens: list[str | ToolCallDelta]
-        fitted = (
-            request if messages is request.messages else replace(request, messages=tuple(messages))
-        )
-        if calls := tool_call_plan(fitted):
-            tokens, finish = list(calls), "tool_calls"
-        elif request.constraint is not None:
-            tokens = list(formatted_answer(request.constraint, render(messages)))
-        else:
-            text = tool_output_answer(messages) or answer_tokens(
-                render(messages), self.response_tokens
-            )
-            tokens = list(_cut_at_stop(text, request.sampling.stop))
+        plan = self._plan_raw if request.prompt is not None else self._plan_chat
+        tokens, finish, prompt_tokens, prompt = plan(request)
         sent = 0  # tokens of the answer a stopped gateway already sent (a continuation)
         if request.continuation and finish != "tool_calls":
             rest = _after(tokens, request.continuation)
@@ -403,12 +421,52 @@ class SimEngine(Engine):
                 else t
                 for i, t in enumerate(tokens)
             ]
-        stream = _Stream(request.request_id, deque(outputs), finish, count_tokens(messages), sent)
+        stream = _Stream(request.request_id, deque(outputs), finish, prompt_tokens, sent)
         if request.sampling.prompt_logprobs is not None:
-            stream.prompt_logprobs = prompt_logprobs(
-                render(messages), request.sampling.prompt_logprobs
-            )
+            stream.prompt_logprobs = prompt_logprobs(prompt, request.sampling.prompt_logprobs)
         return stream
+
+    def _plan_chat(self, request: GenerationRequest) -> _Plan:
+        """A conversation's answer: its tokens, how it ends, the prompt's tokens and text."""
+        messages: Sequence[Message] = request.messages
+        budget = request.sampling.max_output_tokens
+        if self.context_tokens is not None:
+            answer_room = min(budget or self.response_tokens, self.context_tokens // 2)
+            messages, _ = fit_to_context(messages, count_tokens, self.context_tokens - answer_room)
+        prompt, prompt_tokens = render(messages), count_tokens(messages)
+        fitted = (
+            request if messages is request.messages else replace(request, messages=tuple(messages))
+        )
+        if calls := tool_call_plan(fitted):
+            return list(calls), "tool_calls", prompt_tokens, prompt
+        if request.constraint is not None:
+            answer = formatted_answer(request.constraint, prompt)
+            return list(answer), "stop", prompt_tokens, prompt
+        text = tool_output_answer(messages) or answer_tokens(prompt, self.response_tokens)
+        return list(_cut_at_stop(text, request.sampling.stop)), "stop", prompt_tokens, prompt
+
+    def _plan_raw(self, request: GenerationRequest) -> _Plan:
+        """A raw prompt's answer, as a language model continues text: nothing is dropped
+        to fit, and what cannot fit is refused."""
+        text, prompt_tokens = raw_prompt(request)
+        # The text goes on after the prompt: its first word too is spaced from it.
+        answer = [
+            " " + token if i == 0 else token
+            for i, token in enumerate(answer_tokens(text, self.response_tokens))
+        ]
+        words: list[str | ToolCallDelta] = list(_cut_at_stop(answer, request.sampling.stop))
+        finish: FinishReason = "stop"
+        if self.context_tokens is not None:
+            room = self.context_tokens - prompt_tokens
+            if room < 1:
+                raise ContextOverflowError(
+                    f"the prompt has {prompt_tokens} tokens; the context window holds "
+                    f"{self.context_tokens}, the answer included"
+                )
+            if len(words) > room:
+                words, finish = words[:room], "length"
+        prompt = text if request.suffix is None else text.split(FILL_MARK)[0]
+        return words, finish, prompt_tokens, prompt
 
     async def _step_loop(self) -> None:
         # Steps fall due on a fixed clock, as on a GPU that computes whatever the
@@ -446,7 +504,12 @@ class SimEngine(Engine):
             elif running < self.max_batch:
                 running += 1
                 tokens = stream.tokens
-                if stream.generated and len(tokens) > 1 and not faults:
+                if (
+                    stream.generated
+                    and len(tokens) > 1
+                    and not faults
+                    and stream.prompt_logprobs is None
+                ):
                     # _advance's common case, inline: a token, and more to come.
                     stream.generated += 1
                     generated += 1
@@ -467,11 +530,12 @@ class SimEngine(Engine):
             return True
         if self.stall_after is not None and stream.generated >= self.stall_after:
             return False
+        if stream.prompt_logprobs is not None:  # once, before the first token (if any)
+            out.append((rid, stream.prompt_logprobs))
+            stream.prompt_logprobs = None
         if stream.tokens:
             if not stream.generated:
                 out.append((rid, PromptTokens(stream.usage_in)))
-                if stream.prompt_logprobs is not None:
-                    out.append((rid, stream.prompt_logprobs))
             stream.generated += 1
             self.tokens_generated += 1
             out.append((rid, stream.tokens.popleft()))

@@ -56,7 +56,7 @@ import re
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from gateway.engines import trtllm_guided
@@ -79,6 +79,7 @@ from gateway.engines.base import (
     TextDelta,
     Usage,
     chat_messages,
+    check_token_ids,
     fit_to_context,
 )
 from gateway.engines.openai_chat import tools_body
@@ -583,6 +584,24 @@ class TrtllmEngine(StreamingEngine):
             log.info("trtllm: %s dropped %d old turns to fit", request.request_id, dropped)
         return last.get(messages)
 
+    def _raw_ids(self, request: GenerationRequest) -> list[int]:
+        """A raw prompt's token ids: text encoded as ``generate_async``'s input processor
+        would (with the tokenizer's special tokens, BOS), or the ids checked against the
+        model's vocabulary (an id beyond it fails a GPU kernel, not a request). Nothing is
+        dropped to fit: a prompt that does not is refused."""
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            ids: list[int] = self._llm.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            assert prompt is not None  # its ids were checked against the vocabulary (check)
+            ids = list(prompt)  # generate_async takes a list (a tuple is a TypeError)
+        if len(ids) > self._prompt_limit:
+            raise ContextOverflowError(
+                f"the prompt has {len(ids)} tokens; at most {self._prompt_limit} fit the "
+                f"context window ({self._context.tokens} tokens, the answer included)"
+            )
+        return ids
+
     def _answer_so_far(self, request: GenerationRequest) -> _AnswerSoFar:
         """A continued answer's token ids and what they decode to beyond the text sent.
 
@@ -653,7 +672,15 @@ class TrtllmEngine(StreamingEngine):
             self._check_usable()
             structure = self._guided(request)
             calls = self._tool_call_text(request, structure.plan)
-            prompt_ids = self._fit(request, structure.plan)
+            if request.prompt is None:
+                prompt_ids = self._fit(request, structure.plan)
+            else:
+                prompt_ids = self._raw_ids(request)
+            if request.sampling.max_output_tokens == 0:
+                # Nothing to generate (a legacy echo of the prompt alone).
+                async for event in self._prompt_only(request, prompt_ids):
+                    yield event
+                return
             answer = self._answer_so_far(request)
             params = self._sampling_params(
                 request.sampling, len(prompt_ids), len(answer.ids), structure.guide
@@ -677,6 +704,33 @@ class TrtllmEngine(StreamingEngine):
                     f"TensorRT-LLM refused the prompt as too long for its context window "
                     f"({_one_line(exc.message)})"
                 ) from None
+
+    async def _prompt_only(
+        self, request: GenerationRequest, prompt_ids: list[int]
+    ) -> AsyncIterator[StreamEvent]:
+        """The prompt counted, and its log probabilities where asked: TensorRT-LLM reports
+        them with a generation, so one token is generated and dropped."""
+        yield PromptTokens(len(prompt_ids))
+        if request.sampling.prompt_logprobs is not None:
+            one = replace(request.sampling, max_output_tokens=1, logprobs=None)
+            params = self._sampling_params(one, len(prompt_ids))
+            generation = self._generate(
+                replace(request, sampling=one), prompt_ids, params, None, _AnswerSoFar((), "")
+            )
+            async with contextlib.aclosing(generation) as events:
+                async for event in events:
+                    if isinstance(event, PromptLogprobs):
+                        yield event
+        yield Finished("length", Usage(len(prompt_ids), 0))
+
+    def check(self, request: GenerationRequest) -> None:
+        """Also a raw prompt's token ids, against the model config's vocabulary: an id beyond
+        it is an out-of-range read in a GPU kernel, which kills the executor."""
+        config = getattr(self._llm, "_hf_model_config", None)
+        vocab = getattr(config, "vocab_size", None)
+        if vocab and isinstance(request.prompt, tuple):
+            check_token_ids(request.prompt, int(vocab))
+        super().check(request)
 
     def _check_usable(self) -> None:
         if self.failure is not None:

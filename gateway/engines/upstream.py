@@ -2,15 +2,17 @@
 
 The gateway keeps what those servers lack (WebSocket sessions, server-side
 conversations, an explicit cancel) and leaves batching, KV caches and GPUs to
-them. Each generation is one streaming ``POST /v1/chat/completions`` on the
-replica the :class:`Router` picks; its SSE chunks become :class:`TextDelta`
-(and :class:`ToolCallDelta` for the ``tool_calls`` of a request with tools, which
-are forwarded as ``tools``/``tool_choice``) and its finish reason and usage one
-:class:`Finished`. A request that asks for log probabilities sends ``logprobs`` and
-``top_logprobs`` on and takes the replica's back with each delta; a replica that sends
-text without them fails the request with a 400 that says so (never an answer with an
-empty list). Prompt log probabilities are refused: a streamed chat completion carries
-none (vLLM refuses ``prompt_logprobs`` with ``stream``).
+them. Each generation is one streaming ``POST /v1/chat/completions`` (a raw
+prompt's: ``POST /v1/completions``) on the replica the :class:`Router` picks;
+its SSE chunks become :class:`TextDelta` (and :class:`ToolCallDelta` for the
+``tool_calls`` of a request with tools, which are forwarded as
+``tools``/``tool_choice``) and its finish reason and usage one :class:`Finished`.
+A request that asks for log probabilities sends ``logprobs`` and ``top_logprobs`` on
+(a raw prompt's, ``logprobs: N``) and takes the replica's back with each delta (in the
+chat shape, or the legacy completion shape vLLM answers ``/v1/completions`` in); a
+replica that sends text without them fails the request with a 400 that says so (never
+an answer with an empty list). Prompt log probabilities are refused: a streamed
+completion carries none (vLLM refuses ``prompt_logprobs`` with ``stream``).
 
 Cancelling closes the HTTP response before its body is read to the end, which
 closes that connection: every one of these servers aborts a generation whose
@@ -62,6 +64,7 @@ from gateway.engines.base import (
     TokenLogprob,
     Usage,
     chat_messages,
+    clamp_logprob,
 )
 from gateway.engines.openai_chat import (
     choice_logprobs,
@@ -83,7 +86,12 @@ MAX_BACKOFF = 30.0
 PROBE_TIMEOUT = 2.0
 CONNECT_TIMEOUT = 5.0
 AFFINITY_ENTRIES = 100_000  # conversations never say they ended: keep the most recent
-COMPLETIONS_PATH = "/v1/chat/completions"
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"  # a raw prompt's (GenerationRequest.prompt)
+EMBEDDINGS_PATH = "/v1/embeddings"
+# What a replica that serves no embeddings answers: 404 (vLLM, SGLang without an
+# embedding model), 501 (llama.cpp's server without --embeddings).
+NO_EMBEDDINGS = (404, 405, 501)
 
 
 @dataclass(eq=False, slots=True)
@@ -338,8 +346,14 @@ class UpstreamEngine(StreamingEngine):
     def check(self, request: GenerationRequest) -> None:
         if request.sampling.prompt_logprobs is not None:
             raise LogprobsUnsupportedError(
-                "The upstream pool streams chat completions, which carry no log "
+                "The upstream pool streams its completions, which carry no log "
                 "probabilities for the prompt's own tokens."
+            )
+        if request.sampling.max_output_tokens == 0:
+            # llama.cpp's server would still make a token, and vLLM refuses it.
+            raise InvalidRequestError(
+                "unsupported_value",
+                "The upstream pool generates at least one token: 'max_tokens' must be 1 or more.",
             )
         super().check(request)
 
@@ -411,7 +425,7 @@ class UpstreamEngine(StreamingEngine):
                 earlier_tokens += tokens
                 if sent_text:
                     movable = moves < self.max_moves and any(
-                        r.healthy and r.continuation != "none" and r not in tried
+                        r.healthy and self._continues(r, request) and r not in tried
                         for r in self.replicas
                     )
                     if not movable:
@@ -447,8 +461,46 @@ class UpstreamEngine(StreamingEngine):
         """The next replica; one that can continue when there is text to continue."""
         if not prefix:
             return self.router.choose(request.affinity_key, tried)
-        cannot = [r for r in self.replicas if r.continuation == "none"]
+        cannot = [r for r in self.replicas if not self._continues(r, request)]
         return self.router.choose(request.affinity_key, [*tried, *cannot])
+
+    @staticmethod
+    def _continues(replica: Replica, request: GenerationRequest) -> bool:
+        """Whether ``replica`` can go on with ``request``'s answer so far: any replica for
+        a text prompt (the prompt and the text so far are one longer prompt), none for
+        token ids, and for a conversation one that continues a final assistant message."""
+        if request.prompt is not None:
+            return isinstance(request.prompt, str)
+        return replica.continuation != "none"
+
+    async def embeddings(self, body: bytes) -> tuple[int, bytes] | None:
+        """The body to the least loaded healthy replica's ``/v1/embeddings``, and its answer
+        as it came; the next replica when one cannot be reached. None when the replica
+        serves no embeddings."""
+        import httpx
+
+        self._check_ready()
+        tried: list[Replica] = []
+        while (replica := self.router.choose(None, tried)) is not None:
+            tried.append(replica)
+            assert replica.client is not None
+            headers = {"Content-Type": "application/json"}
+            replica.outstanding += 1
+            try:
+                post = replica.client.build_request(
+                    "POST", EMBEDDINGS_PATH, content=body, headers=headers
+                )
+                response = await _send(replica.client, post, stream=False)
+            except httpx.HTTPError as exc:
+                self._mark_down(replica, _describe_error(exc))
+                continue
+            finally:
+                replica.outstanding -= 1
+            if response.status_code in NO_EMBEDDINGS:
+                return None
+            return response.status_code, response.content
+        detail = f"{len(tried)} tried, all failed" if tried else "none is healthy"
+        raise EngineError("upstream_unavailable", f"no upstream server could answer ({detail})")
 
     def _check_ready(self, cause: Exception | None = None) -> None:
         """Before the first attempt and each retry: not started, or close() began."""
@@ -474,7 +526,7 @@ class UpstreamEngine(StreamingEngine):
             headers[self.affinity_header] = affinity_id(request.affinity_key)
         post = client.build_request(
             "POST",
-            COMPLETIONS_PATH,
+            CHAT_PATH if request.prompt is None else COMPLETIONS_PATH,
             content=orjson.dumps(self._body(replica, request, earlier_tokens)),
             headers=headers,
         )
@@ -494,11 +546,8 @@ class UpstreamEngine(StreamingEngine):
         self, replica: Replica, request: GenerationRequest, earlier_tokens: int = 0
     ) -> dict[str, Any]:
         s = request.sampling
-        messages = request.messages
-        if request.continuation:  # the answer so far, as an open final assistant message
-            messages = (*messages, Message("assistant", request.continuation))
         body: dict[str, Any] = {
-            "messages": chat_messages(messages),
+            **self._prompt(request),
             "stream": True,
             "stream_options": {"include_usage": True},
             **tools_body(request),
@@ -507,7 +556,11 @@ class UpstreamEngine(StreamingEngine):
         }
         if request.tools and not request.parallel_tool_calls:
             body["parallel_tool_calls"] = False
-        if request.continuation and replica.continuation == "continue_final_message":
+        if (
+            request.prompt is None
+            and request.continuation
+            and replica.continuation == "continue_final_message"
+        ):
             body["continue_final_message"] = True
             body["add_generation_prompt"] = False
         model = self.model or replica.model
@@ -525,7 +578,26 @@ class UpstreamEngine(StreamingEngine):
             "presence_penalty": s.presence_penalty,
         }
         body.update({k: v for k, v in optional.items() if v is not None})
+        if request.prompt is not None and s.logprobs is not None:
+            # /v1/completions takes its alternatives as an integer ``logprobs``.
+            del body["top_logprobs"]
+            body["logprobs"] = max(1, s.logprobs)
         return body
+
+    @staticmethod
+    def _prompt(request: GenerationRequest) -> dict[str, Any]:
+        """The body's prompt: a conversation's messages (the answer so far as an open final
+        assistant message), or a raw prompt for ``/v1/completions`` (text or token ids, the
+        text so far after it)."""
+        prompt = request.prompt
+        if prompt is None:
+            messages = request.messages
+            if request.continuation:
+                messages = (*messages, Message("assistant", request.continuation))
+            return {"messages": chat_messages(messages)}
+        if isinstance(prompt, str):
+            return {"prompt": prompt + request.continuation}
+        return {"prompt": list(prompt)}  # stream() never continues token ids elsewhere
 
 
 # -- the wire format ---------------------------------------------------------------
@@ -562,8 +634,9 @@ async def _get(client: httpx.AsyncClient, path: str) -> httpx.Response:
 async def _events(
     response: httpx.Response, logprobs: int | None = None
 ) -> AsyncIterator[StreamEvent]:
-    """Server-sent ``chat.completion.chunk`` events -> deltas, then one Finished.
-    ``logprobs``: the request's (each delta then carries its text's, from the chunk).
+    """Server-sent ``chat.completion.chunk`` (or ``text_completion``) events -> deltas,
+    then one Finished. ``logprobs``: the request's (each delta then carries its text's,
+    from the chunk).
 
     The Finished comes only after the body is read to its very end: ``[DONE]``
     is followed by the chunked terminator, and a response left before that is
@@ -592,7 +665,8 @@ async def _events(
         usage = _usage(chunk.get("usage")) or usage
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
-            text = delta.get("content")
+            # A chat chunk's text is its delta's content; a completion chunk's, its text.
+            text = delta.get("content") or choice.get("text")
             if text and logprobs is not None:
                 deltas += 1
                 yield TextDelta(text, logprobs=_text_logprobs(choice, logprobs))
@@ -612,13 +686,37 @@ async def _events(
 def _text_logprobs(choice: dict[str, Any], top: int) -> tuple[TokenLogprob, ...]:
     """The log probabilities that come with a choice's text; a replica that sends none
     cannot report them (a 400: the client asked for what this pool cannot give)."""
-    logprobs = choice_logprobs(choice, top)
+    logprobs = choice_logprobs(choice, top) or legacy_logprobs(choice.get("logprobs"), top)
     if logprobs is None:
         raise LogprobsUnsupportedError(
             "The upstream server returned no log probabilities with its text: it cannot "
             "report them; ask without logprobs."
         )
     return logprobs
+
+
+def legacy_logprobs(raw: object, top: int) -> tuple[TokenLogprob, ...] | None:
+    """A completion choice's log probabilities in the legacy shape (``tokens``,
+    ``token_logprobs``, ``top_logprobs`` as ``{token: logprob}``), as vLLM sends them;
+    None when ``raw`` is not that shape."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("tokens"), list):
+        return None
+    values, tops = raw.get("token_logprobs") or [], raw.get("top_logprobs") or []
+    out = []
+    for i, token in enumerate(raw["tokens"]):
+        value = values[i] if i < len(values) and isinstance(values[i], int | float) else None
+        logprob = clamp_logprob(float(value) if value is not None else float("-inf"))
+        alternatives = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+        ranked = sorted(alternatives.items(), key=lambda kv: -float(kv[1]))[:top] if top else []
+        out.append(
+            TokenLogprob(
+                str(token),
+                logprob,
+                str(token).encode(),
+                tuple(TokenLogprob(t, clamp_logprob(float(v)), t.encode()) for t, v in ranked),
+            )
+        )
+    return tuple(out)
 
 
 FINISH_REASONS: dict[str, FinishReason] = {

@@ -6,8 +6,9 @@ Patterns are paths whose segments may be ``{name}``: one non-empty segment, hand
 the handler unquoted in ``request.params``. The first pattern registered that matches
 wins. ``HEAD`` is answered by the ``GET`` route unless one is registered for it; the
 method ``"*"`` takes any method that has no route of its own on that pattern. A path
-that matches a pattern but not its methods gets 405 with ``Allow``; a path that matches
-nothing, and a WebSocket upgrade to a path that has no WebSocket, go to the fallback.
+that matches a pattern but not its methods gets 405 with ``Allow`` (answered by the
+``not_allowed`` handler, if given); a path that matches nothing, and a WebSocket upgrade to
+a path that has no WebSocket, go to the fallback.
 
     router.add("POST", "/v1/responses", create, body_limit=config.max_message_bytes)
     router.add("GET", "/v1/responses/{id}", retrieve)
@@ -40,12 +41,27 @@ class _Pattern:
         return ", ".join(methods)
 
 
+NotAllowed = Callable[[str], Handler]
+"""Makes the handler of a 405 from the ``Allow`` header's value."""
+
+
 class Router:
     """Routes for :class:`~gateway.transport.http1.HttpService`; see the module docstring."""
 
-    def __init__(self, fallback: Handler, *, fallback_body_limit: int = DEFAULT_BODY_LIMIT):
+    def __init__(
+        self,
+        fallback: Handler,
+        *,
+        fallback_body_limit: int = DEFAULT_BODY_LIMIT,
+        not_allowed: NotAllowed | None = None,
+    ):
         self._fallback = Target(fallback, {}, fallback_body_limit)
+        self._not_allowed = not_allowed or _method_not_allowed
         self._patterns: list[_Pattern] = []
+
+    def routes(self) -> list[tuple[str, str]]:
+        """Every (pattern, ``Allow`` value) routed, in the order they were added."""
+        return [(p.text, p.allowed()) for p in self._patterns]
 
     def add(
         self,
@@ -90,7 +106,7 @@ class Router:
             if found is None:
                 found = entry.methods.get("*")
             if found is None:
-                answer = _method_not_allowed(entry.allowed())
+                answer = self._not_allowed(entry.allowed())
                 return Target(answer, params, DEFAULT_BODY_LIMIT, entry.text)
             handler, limit = found
             return Target(handler, params, limit, entry.text)

@@ -8,9 +8,9 @@ the API's (a :data:`Messages` function):
 
 - the Responses API: ``event: TYPE`` then ``data: JSON``; over after a terminal event
   (``response.completed``, ``.incomplete``, ``.failed``);
-- Chat Completions: ``data: JSON`` alone; the last chunk (the one with a
-  ``finish_reason``, or with ``include_usage`` the usage chunk after it, whose
-  ``choices`` is empty; or an error object) is followed by ``data: [DONE]``.
+- Chat Completions and Completions: ``data: JSON`` alone; the last chunk (the last
+  choice's with a ``finish_reason``, or with ``include_usage`` the usage chunk after them,
+  whose ``choices`` is empty; or an error object) is followed by ``data: [DONE]``.
 
 The wire ends the HTTP response with its last message (in the same write). The stream is
 also over once the outbox closed the wire: :attr:`SseWire.over` tells the route handler
@@ -55,17 +55,26 @@ _DATA = b"data: "
 _DONE = b"\n\ndata: [DONE]\n\n"
 
 
-def chat_messages(include_usage: bool) -> Messages:
+def chunk_messages(include_usage: bool, choices: int = 1) -> Messages:
+    """Chat Completions' and Completions' chunks: over after the usage chunk, or without
+    one after the last of ``choices`` chunks with a ``finish_reason`` (or an error)."""
     # The markers are JSON keys with their quotes: inside a string value (a token's text,
     # a call's arguments) a quote is escaped, so no content can look like them.
     last = b'"choices":[]' if include_usage else b'"finish_reason":"'
+    left = [1 if include_usage else choices]  # marked chunks still to come
 
     def message(frame: bytes) -> tuple[bytes, bytes, bool]:
-        if last in frame or frame.startswith(b'{"error"'):
+        if frame.startswith(b'{"error"') or (last in frame and _counted(left)):
             return _DATA, _DONE, True
         return _DATA, _END, False
 
     return message
+
+
+def _counted(left: list[int]) -> bool:
+    """One more marked chunk came: True if it was the last."""
+    left[0] -= 1
+    return left[0] == 0
 
 
 class SseWire:

@@ -45,6 +45,7 @@ from sessions.codec import (
 from sessions.errors import ProtocolError
 
 MAX_MESSAGES = 4096
+MAX_N = 128  # OpenAI's bound; --max-choices is the gateway's own
 
 SERVED = frozenset(
     {
@@ -124,6 +125,7 @@ class ChatBody:
     constraint: Constraint | None = None  # from response_format
     metadata: dict[str, str] | None = None
     affinity_key: str | None = None
+    n: int = 1  # choices, each its own answer
     # ``logprobs: true``: its ``top_logprobs`` (0 when unset); None: no log probabilities.
     logprobs: int | None = None
 
@@ -185,6 +187,8 @@ def read_body(obj: Mapping[str, Any]) -> ChatBody:
             fields[penalty] = r.number(penalty, *PENALTY_RANGE)
     if r.has("seed"):
         fields["seed"] = r.integer("seed", 0, 2**64 - 1)
+    if obj.get("n") is not None:
+        fields["n"] = r.integer("n", 1, MAX_N)  # and at most --max-choices (the dialect's)
     if r.has("stop"):
         fields["stop"] = r.stop("stop")
     if obj.get("tools") is not None:
@@ -249,11 +253,6 @@ def _boolean(r: Reader, key: str) -> bool:
 
 def _refuse_what_is_not_served(r: Reader) -> None:
     obj = r.obj
-    n = obj.get("n")
-    if n is not None:
-        r.integer("n", 1, 128)
-        if n != 1:
-            raise _unsupported(r, "n", "This gateway makes one choice per request: 'n' must be 1.")
     for key, message in REFUSED.items():
         value = obj.get(key)
         if key == "modalities" and value in (["text"], None):
@@ -406,9 +405,10 @@ def chunk_json(
     delta: JSON,
     finish_reason: str | None = None,
     logprobs: Sequence[TokenLogprob] | None = None,
+    index: int = 0,
 ) -> JSON:
     choice = {
-        "index": 0,
+        "index": index,
         "delta": delta,
         "logprobs": None if logprobs is None else logprobs_json(logprobs),
         "finish_reason": finish_reason,
@@ -429,17 +429,4 @@ def token_logprob_json(lp: TokenLogprob) -> JSON:
         "top_logprobs": [
             {"token": top.token, "logprob": top.logprob, "bytes": list(top.bytes)} for top in lp.top
         ],
-    }
-
-
-def error_json(err: ProtocolError) -> JSON:
-    """The error object of a response (and of a stream's last ``data:``, which the SDK
-    raises as an ``APIError``)."""
-    return {
-        "error": {
-            "message": err.message,
-            "type": err.error_type,
-            "param": err.param,
-            "code": err.code,
-        }
     }

@@ -3,21 +3,22 @@
 A session of this dialect answers one request (as the Responses API over HTTP does): its
 command is the decoded body (sessions/chat/codec.py), its prompt is the request's
 messages (led by the engine's default instructions when the request brings no system
-message, as the other routes' prompts are), and what the core reports becomes
-``chat.completion.chunk`` objects in the outbox (``stream: true``) and one
-``chat.completion`` for the observer (the HTTP route) at the end. The text deltas of the
-answer leave as a bytes template (:class:`ChatFraming`), as on the other dialects.
-Chunks carry no sequence number: a Chat Completions stream cannot be resumed.
+message, as the other routes' prompts are), each of its ``n`` choices a response of its
+own (sessions/choices.py), and what the core reports becomes ``chat.completion.chunk``
+objects in the outbox (``stream: true``) and one ``chat.completion`` for the observer (the
+HTTP route) at the end. The text deltas of the answer leave as a bytes template
+(:func:`chat_framing`), as on the other dialects. Chunks carry no sequence number: a Chat
+Completions stream cannot be resumed.
 
-Who owns what: the dialect's state (its request, the calls' indexes) is the actor's,
-on its turn; the observer is told of the start, a refusal and the end.
+Who owns what: the dialect's state (its request, its choices, the calls' indexes) is the
+actor's, on its turn; the observer is told of the start, a refusal and the end.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 
@@ -25,64 +26,38 @@ from gateway.engines.base import Message, PromptLogprobs, SamplingParams, TokenL
 from gateway.scheduler import Outcome
 from sessions import codec
 from sessions.chat import codec as cc
+from sessions.choices import (
+    ChoiceFraming,
+    Choices,
+    OneRequest,
+    RequestObserver,
+    check_choices,
+    error_json,
+    failed_error,
+)
 from sessions.core import CallState, ResponseSpec, ResponseState, Session
 from sessions.errors import ProtocolError
 
-# A chunk of text: the head object (id, object, created, model), still open, then the
-# choice; the head is spliced in once per response (ChatFraming.delta_ids). With log
-# probabilities, they take the place of the null (a JSON key's quotes cannot occur
-# unescaped inside the head's strings, so the first match is the choice's).
-_DELTA = b'%b,"choices":[{"index":0,"delta":{"content":%%b},"logprobs":null,"finish_reason":null}]}'
-_NO_LOGPROBS, _LOGPROBS = b'"logprobs":null', b'"logprobs":%b'
+_DELTA = b'%b,"delta":{"content":%b},"logprobs":null,"finish_reason":null}]}'
+_DELTA_LOGPROBS = b'%b,"delta":{"content":%b},"logprobs":%b,"finish_reason":null}]}'
 
 
-class ChatFraming:
-    """A chunk's head (id, object, created, model) is set once its response starts."""
-
-    __slots__ = ("head",)
-    first_sequence_number = 0
-    replays_first = True
-
-    def __init__(self) -> None:
-        self.head = b"{}"
-
-    def numbered(self, seq: int, body: bytes) -> bytes:
-        return body  # chunks carry no number
-
-    def delta_ids(self, response_id: str, item_id: str) -> bytes:
-        return _DELTA % self.head[:-1].replace(b"%", b"%%")  # the head object, still open
-
-    def delta(self, seq: int, ids: bytes, text: str) -> bytes:
-        return ids % orjson.dumps(text)
-
-    def delta_logprobs(
-        self, seq: int, ids: bytes, text: str, logprobs: Sequence[TokenLogprob]
-    ) -> bytes:
-        template = ids.replace(_NO_LOGPROBS, _LOGPROBS, 1)
-        return template % (orjson.dumps(text), orjson.dumps(cc.logprobs_json(logprobs)))
+def chat_framing() -> ChoiceFraming:
+    """A content delta of a ``chat.completion.chunk``, as bytes."""
+    return ChoiceFraming(
+        _DELTA, _DELTA_LOGPROBS, lambda logprobs, _offset: cc.logprobs_json(logprobs)
+    )
 
 
-class ChatObserver(Protocol):
-    """The HTTP side of the one request (gateway/api/chat_http.py)."""
-
-    def started(self, body: codec.JSON) -> None:
-        """The answer was admitted: ``body`` is the chunks' head."""
-
-    def ended(self, body: codec.JSON) -> None:
-        """The ``chat.completion`` (or an error object, ``{"error": ...}``)."""
-
-    def refused(self, err: ProtocolError) -> None:
-        """The request was refused before it started."""
-
-
-class ChatDialect:
+class ChatDialect(OneRequest):
     name = "chat"
     decode = staticmethod(cc.decode)
 
-    def __init__(self, framing: ChatFraming, observer: ChatObserver | None = None) -> None:
+    def __init__(self, framing: ChoiceFraming, observer: RequestObserver | None = None) -> None:
         self.framing = framing
         self.observer = observer
         self._core: Session | None = None
+        self._choices: Choices | None = None
         self._body: cc.ChatBody | None = None
         self._head: codec.JSON = {}
         self._calls: dict[str, int] = {}  # a call's item id -> its index in tool_calls
@@ -92,6 +67,11 @@ class ChatDialect:
     def core(self) -> Session:
         assert self._core is not None
         return self._core
+
+    @property
+    def choices(self) -> Choices:
+        assert self._choices is not None
+        return self._choices
 
     def attach(self, core: Session, greet: bool) -> None:
         self._core = core
@@ -106,6 +86,7 @@ class ChatDialect:
     def _start(self, body: cc.ChatBody) -> None:
         core, c = self.core, self.core.config
         codec.check_model(body.model, core.limits.served_models)
+        check_choices("n", body.n, core.limits.max_choices)
         messages = body.messages
         if not body.has_system and c.instructions:
             messages = (Message("system", c.instructions), *messages)
@@ -130,6 +111,7 @@ class ChatDialect:
             "created": int(time.time()),
             "model": body.model or c.model,
         }
+        self.framing.head = orjson.dumps(self._head)
         spec = ResponseSpec(
             messages=messages,
             sampling=sampling,
@@ -142,23 +124,21 @@ class ChatDialect:
             parallel_tool_calls=body.parallel_tool_calls,
             model=body.model or "",
         )
-        if core.start_response(spec, response_id=self._head["id"]) is None:
-            raise ProtocolError(
-                "overloaded",
-                "The gateway is at capacity (every engine slot and queue place is taken); "
-                "retry shortly.",
-                error_type="server_error",
-            )
+        self._choices = Choices(core, self.framing)
+        self._choices.start([spec] * body.n, self._head["id"])
 
     def _put(
         self,
+        r: ResponseState,
         delta: codec.JSON,
         finish_reason: str | None = None,
         logprobs: Sequence[TokenLogprob] | None = None,
     ) -> None:
         body = self._body
         if body is not None and body.stream:
-            self.core.outbox.put(cc.chunk_json(self._head, delta, finish_reason, logprobs))
+            index = self.choices.index(r)
+            chunk = cc.chunk_json(self._head, delta, finish_reason, logprobs, index)
+            self.core.outbox.put(chunk)
 
     def error(self, err: ProtocolError) -> None:
         if not self._started:
@@ -169,19 +149,16 @@ class ChatDialect:
 
     def _put_error(self, err: ProtocolError) -> None:
         if self._body is not None and self._body.stream:
-            self.core.outbox.put(cc.error_json(err))
+            self.core.outbox.put(error_json(err))
 
     # -- what the core reports ---------------------------------------------------------
 
     def response_started(self, r: ResponseState) -> None:
-        self._started = True
-        self.framing.head = orjson.dumps(self._head)
-        if self.observer is not None:
-            self.observer.started(self._head)
-        self._put({"role": "assistant", "content": ""})
-
-    def response_continued(self, r: ResponseState) -> None:
-        """Never: a chat session is not kept in a store, so no process takes it over."""
+        if not self._started:
+            self._started = True
+            if self.observer is not None:
+                self.observer.started(self._head)
+        self._put(r, {"role": "assistant", "content": ""})
 
     def text_opened(self, r: ResponseState) -> None:
         """The message has no item of its own on this API: its text is the content."""
@@ -189,42 +166,65 @@ class ChatDialect:
     def text_delta(
         self, r: ResponseState, text: str, logprobs: tuple[TokenLogprob, ...] | None
     ) -> None:
-        self._put({"content": text}, logprobs=logprobs)
+        self._put(r, {"content": text}, logprobs=logprobs)
 
     def prompt_logprobs(self, r: ResponseState, logprobs: PromptLogprobs) -> None:
         """Never asked for on this API (the prompt is messages, not text to echo)."""
 
     def call_opened(self, r: ResponseState, call: CallState) -> None:
-        index = self._calls[call.item_id] = len(self._calls)
+        index = self._calls[call.item_id] = len(r.calls) - 1  # counted within its choice
         function = {"name": call.name, "arguments": ""}
         opened = {"index": index, "id": call.call_id, "type": "function", "function": function}
-        self._put({"tool_calls": [opened]})
+        self._put(r, {"tool_calls": [opened]})
 
     def call_delta(self, r: ResponseState, call: CallState, arguments: str) -> None:
         index = self._calls[call.item_id]
-        self._put({"tool_calls": [{"index": index, "function": {"arguments": arguments}}]})
+        self._put(r, {"tool_calls": [{"index": index, "function": {"arguments": arguments}}]})
 
     def response_ended(self, r: ResponseState, outcome: Outcome) -> None:
+        choices = self.choices
+        done = choices.end(r, outcome)
+        if done is None:
+            return
+        if outcome.status == "failed":
+            err = failed_error(outcome)
+            choices.fail()
+            self._put_error(err)
+            self._end(error_json(err))
+            return
+        self._put(r, {}, self._finish_reason(r, outcome))
+        if choices.over:
+            self._complete()
+
+    @staticmethod
+    def _finish_reason(r: ResponseState, outcome: Outcome) -> str:
+        if outcome.status == "incomplete":
+            return "length"
+        return "tool_calls" if r.calls else "stop"
+
+    def _complete(self) -> None:
+        """Every choice has ended: the usage chunk, and the ``chat.completion``."""
         body = self._body
         assert body is not None
-        if outcome.status == "failed":
-            error = outcome.error
-            err = ProtocolError(
-                error.code if error else "engine_error",
-                error.message if error else "The engine failed.",
-                error_type=error.error_type if error else "server_error",
-            )
-            self._put_error(err)
-            self._end(cc.error_json(err))
-            return
-        if outcome.status == "incomplete":
-            finish_reason = "length"
-        else:
-            finish_reason = "tool_calls" if r.calls else "stop"
-        usage = cc.usage_json(outcome.usage)
-        self._put({}, finish_reason)
+        usage = cc.usage_json(self.choices.usage())
         if body.stream and body.include_usage:
             self.core.outbox.put({**self._head, "choices": [], "usage": usage})
+        choices = [
+            {
+                "index": index,
+                "message": self._message(ended.response, ended.outcome),
+                "finish_reason": self._finish_reason(ended.response, ended.outcome),
+                # The whole answer's log probabilities are for ``stream: false`` (the body
+                # the route answers with): a stream's client has them in its chunks.
+                "logprobs": None
+                if ended.outcome.logprobs is None or body.stream
+                else cc.logprobs_json(ended.outcome.logprobs),
+            }
+            for index, ended in sorted(self.choices.ended.items())
+        ]
+        self._end({**self._head, "object": "chat.completion", "choices": choices, "usage": usage})
+
+    def _message(self, r: ResponseState, outcome: Outcome) -> codec.JSON:
         message: codec.JSON = {
             "role": "assistant",
             "content": outcome.text if outcome.text or not r.calls else None,
@@ -240,47 +240,8 @@ class ChatDialect:
                 }
                 for c in calls
             ]
-        # The whole answer's log probabilities are for ``stream: false`` (the body the route
-        # answers with): a stream's client has them all in its chunks already.
-        logprobs = None
-        if outcome.logprobs is not None and not body.stream:
-            logprobs = cc.logprobs_json(outcome.logprobs)
-        completion = {
-            **self._head,
-            "object": "chat.completion",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "finish_reason": finish_reason,
-                    "logprobs": logprobs,
-                }
-            ],
-            "usage": usage,
-        }
-        self._end(completion)
+        return message
 
     def _end(self, body: codec.JSON) -> None:
         if self.observer is not None:
             self.observer.ended(body)
-
-    def resumed(self, resume_token: str) -> bytes | None:
-        return None
-
-    def close(self) -> None:
-        """Nothing but the response, which the core ends."""
-
-    def expire(self) -> None:
-        """An HTTP request has no maximum age here (the client's timeout is its own)."""
-
-    def dump(self) -> dict[str, Any]:
-        return {}
-
-    def load(self, state: dict[str, Any]) -> None:
-        """Nothing: a chat session is never restored (see :meth:`response_continued`)."""
-
-    def dump_tag(self, tag: object) -> Any:
-        return None
-
-    def load_tag(self, data: Any) -> object:
-        return None

@@ -36,7 +36,7 @@ def model_available() -> bool:
     return True
 
 
-def serve(slots: int, ctx: int, port: int, threads: int) -> None:
+def serve(slots: int, ctx: int, port: int, threads: int, embeddings: bool = False) -> None:
     import xllamacpp
 
     try:
@@ -60,6 +60,9 @@ def serve(slots: int, ctx: int, port: int, threads: int) -> None:
     params.endpoint_props = True
     params.ui = False
     params.verbosity = 1  # errors only
+    if embeddings:  # /v1/embeddings too (mean-pooled); completions are still served
+        params.embedding = True
+        params.pooling_type = xllamacpp.llama_pooling_type.LLAMA_POOLING_TYPE_MEAN
     server = xllamacpp.Server(params)
     print(READY + server.listening_address, flush=True)
     sys.stdin.read()  # until the test process closes our stdin (or dies)
@@ -90,7 +93,13 @@ class LlamaServer:
 
 
 def start(
-    *, slots: int = 2, ctx: int = 1024, threads: int = 1, port: int = 0, timeout: float = 60
+    *,
+    slots: int = 2,
+    ctx: int = 1024,
+    threads: int = 1,
+    port: int = 0,
+    timeout: float = 60,
+    embeddings: bool = False,
 ) -> LlamaServer:
     """Start a server process and wait until it has loaded the model (port 0: any free).
 
@@ -106,6 +115,7 @@ def start(
             f"--ctx={ctx}",
             f"--threads={threads}",
             f"--port={port}",
+            *(["--embeddings"] if embeddings else []),
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -128,9 +138,10 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=1024, help="context per slot")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--embeddings", action="store_true", help="serve /v1/embeddings too")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    serve(args.slots, args.ctx, args.port, args.threads)
+    serve(args.slots, args.ctx, args.port, args.threads, args.embeddings)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,9 @@ class Controls:
     reply: str = field(default_factory=lambda: os.environ.get(REPLY_ENV, DEFAULT_REPLY))
     step_s: float = field(default_factory=lambda: float(os.environ.get(STEP_ENV, "0.002")))
     max_position_embeddings: int = 2048  # the model config's context length
+    # The model config's vocab_size: the embedding table's rows. The toy tokenizer's ids
+    # are a piece's bytes read as a number, unbounded: None (its default) bounds none.
+    vocab_size: int | None = None
     # Tokens the KV cache gets from GPU memory when KvCacheConfig.max_tokens is unset
     # (None: plenty). The worker caps its max_seq_len to what the KV cache holds.
     kv_cache_capacity: int | None = None
@@ -452,6 +455,14 @@ class StepEngine:
                 return len(tail) if tail == plan[: len(tail)] else 0
         return 0
 
+    def fatal(self, record: RequestRecord) -> str | None:
+        """What kills the executor: a prompt token id beyond the embedding table is an
+        out-of-range read in a GPU kernel (a device-side assert), not a request error."""
+        vocab = controls.vocab_size
+        if vocab is not None and any(not 0 <= t < vocab for t in record.prompt_token_ids):
+            return "CUDA error: device-side assert triggered (an embedding index out of range)"
+        return None
+
     def _refusal(self, record: RequestRecord) -> str | None:
         seed = record.sampling_params.seed
         if seed is not None and not 0 <= seed <= UINT64_MAX:
@@ -649,6 +660,10 @@ class Executor:
 
     def submit(self, record: RequestRecord, deliver: Callable[[Post], None]) -> None:
         self._handle_background_error()
+        if (fatal := self._worker.fatal(record)) is not None:
+            self._worker.halt()
+            self._error_queue.put(RuntimeError(fatal))
+            return
         self._worker.submit(record, deliver)
         self._handle_background_error()
 

@@ -237,6 +237,21 @@ class RequestOutput:
             return
 
 
+def _prompt_inputs(inputs: Any) -> dict[str, Any]:
+    """As inputs/data.py's ``prompt_inputs``: a string is a text prompt, a list a token
+    prompt (its first item must be an int: an empty list is an IndexError there), a dict
+    one of the two; anything else, a tuple of ids too, is a TypeError."""
+    if isinstance(inputs, str):
+        return {"prompt": inputs}
+    if isinstance(inputs, list):
+        assert isinstance(inputs[0], int)
+        return {"prompt_token_ids": inputs}
+    if isinstance(inputs, dict):
+        assert inputs.get("prompt") is not None or inputs.get("prompt_token_ids") is not None
+        return inputs
+    raise TypeError(f"Invalid type of inputs for llm.generate: {type(inputs)}")
+
+
 class LLM:
     """The stand-in LLM: a tokenizer, ``args``, an executor and a worker thread, no GPU."""
 
@@ -285,7 +300,8 @@ class LLM:
             guided_decoding_backend=kwargs.get("guided_decoding_backend"),
         )
         self._hf_model_config = SimpleNamespace(
-            max_position_embeddings=_standin.controls.max_position_embeddings
+            max_position_embeddings=_standin.controls.max_position_embeddings,
+            vocab_size=_standin.controls.vocab_size,
         )
         self._tokenizer = _standin.StandinTokenizer()
         worker = _standin.StepEngine(
@@ -331,7 +347,7 @@ class LLM:
 
     def generate_async(
         self,
-        inputs: str | list[int],
+        inputs: str | list[int] | dict[str, Any],
         sampling_params: SamplingParams | None = None,
         lora_request: Any = None,
         prompt_adapter_request: Any = None,
@@ -348,14 +364,15 @@ class LLM:
         sp = sampling_params if sampling_params is not None else SamplingParams()
         if sp.end_id is None:
             sp._setup(self._tokenizer)
-        if isinstance(inputs, str):
+        inputs = _prompt_inputs(inputs)
+        if "prompt_token_ids" in inputs:
+            prompt, ids = None, inputs["prompt_token_ids"]
+        else:
             # The input processor tokenizes a text prompt here, on the caller's thread.
             with _standin.stats._cond:
                 _standin.stats.prompts_encoded += 1
-            prompt: str | None = inputs
-            ids = self._tokenizer.encode(inputs, add_special_tokens=sp.add_special_tokens)
-        else:
-            prompt, ids = None, list(inputs)
+            prompt = inputs["prompt"]
+            ids = self._tokenizer.encode(prompt, add_special_tokens=sp.add_special_tokens)
         max_num_tokens = self.args.max_num_tokens
         if not self.args.enable_chunked_prefill and max_num_tokens and len(ids) > max_num_tokens:
             raise ValueError(
