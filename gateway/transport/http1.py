@@ -306,7 +306,9 @@ class HttpConnection(asyncio.Protocol):
         self.protocol = protocol
         self._websocket = websocket
         self._loop = asyncio.get_running_loop()
-        self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        # Made when a request needs it: a WebSocket upgrade, or a connection whose requests
+        # all have the common shape, never does.
+        self._h11_connection: h11.Connection | None = None
         self._transport: asyncio.Transport | None = None
         self._writes: CoalescedWrites | None = None
         self._state: State = "head"
@@ -337,6 +339,14 @@ class HttpConnection(asyncio.Protocol):
     @property
     def closing(self) -> bool:
         return self._service.closing
+
+    @property
+    def _h11(self) -> h11.Connection:
+        if self._h11_connection is None:
+            self._h11_connection = h11.Connection(
+                h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES
+            )
+        return self._h11_connection
 
     # -- asyncio callbacks -------------------------------------------------------------
 
@@ -515,7 +525,7 @@ class HttpConnection(asyncio.Protocol):
             return False
         self._host_added = True
         line_end = raw.index(b"\n") + 1
-        self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self._h11_connection = None  # a fresh one
         self._h11.receive_data(bytes(raw[:line_end]) + b"Host: \r\n" + bytes(raw[line_end:]))
         return True
 

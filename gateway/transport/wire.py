@@ -183,6 +183,8 @@ class SocketWire:
 
     def _close(self, code: int, reason: str, timeout: float = CLOSE_TIMEOUT) -> None:
         self._release()
+        if self._protocol.state is not State.OPEN:
+            return  # closing or closed already (the client's close, say): websockets ends it
         if self._close_task is None:
             self._close_task = asyncio.get_running_loop().create_task(
                 close_socket(self._ws, code, reason, timeout)
@@ -214,6 +216,11 @@ class SocketWire:
     async def _ping(self) -> None:
         with contextlib.suppress(ConnectionClosed):
             await (await self._ws.ping())
+
+    @property
+    def closing(self) -> bool:
+        """This wire started a close (whose end :meth:`closed` waits for)."""
+        return self._close_task is not None
 
     async def closed(self) -> None:
         """Until the close this wire started (if any) is done."""
