@@ -34,8 +34,6 @@ one function (see docs/performance.md, "The token path").
 from __future__ import annotations
 
 import asyncio
-import itertools
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -170,11 +168,11 @@ class Outbox:
         self._framing = framing
         self._seq = framing.first_sequence_number - 1
         self._seq_start = self._seq  # frames numbered here: _seq - _seq_start
-        # Sent frames: the run of numbers that ends at _seq (every numbered frame is kept,
-        # but a greeting that is never replayed, which comes first). Made with the first
-        # frame it keeps: an empty deque holds a block of 64 slots, which an idle session
-        # (whose greeting is not kept) need not pay for.
-        self._replay: deque[bytes] | None = None
+        # Sent frames from _replay_head on: the run of numbers that ends at _seq (every
+        # numbered frame is kept, but a greeting that is never replayed, which comes first).
+        # A list with a head index, not a deque, for the reason above.
+        self._replay: list[bytes] = []
+        self._replay_head = 0
         self._replay_bytes = 0
         self._delta_response: str | None = None  # whose ids _delta_ids holds
         self._delta_item: str | None = None
@@ -266,20 +264,12 @@ class Outbox:
             self._bytes_out += size
             self._delta_frames += 1
             if self._replay_limit:
-                replay = self._replay
-                if replay is None:
-                    replay = self._replay = deque()
-                replay.append(frame)
-                self._replay_bytes = kept = self._replay_bytes + size
+                self._replay.append(frame)
+                self._replay_bytes += size
                 budget = self._budget
                 budget.used += size
-                # As _sent evicts, inline: a session that streams long evicts a frame a token.
-                while kept > self._replay_limit or budget.used > budget.limit:
-                    old = len(replay.popleft())
-                    self._replay_bytes = kept = kept - old
-                    budget.used -= old
-                    if not replay:
-                        break
+                if self._replay_bytes > self._replay_limit or budget.used > budget.limit:
+                    self._evict()
             if token_ids and self.on_token_ids is not None:
                 self.on_token_ids(seq, token_ids)
             wire.write(frame)
@@ -353,13 +343,12 @@ class Outbox:
         first_kept = self.first_kept
         if last_sequence_number + 1 < first_kept:
             return None
-        start = last_sequence_number + 1 - first_kept
-        return list(itertools.islice(self._replay or (), start, None))
+        return self._replay[self._replay_head + last_sequence_number + 1 - first_kept :]
 
     @property
     def first_kept(self) -> int:
         """The number of the oldest frame still kept for a replay (the next one if none)."""
-        return self._seq + 1 - (len(self._replay) if self._replay is not None else 0)
+        return self._seq + 1 - (len(self._replay) - self._replay_head)
 
     def seed(self, frames: Sequence[tuple[int, bytes]]) -> None:
         """Start from a log another process wrote (a takeover): its numbers go on after
@@ -372,7 +361,8 @@ class Outbox:
             start -= 1
         kept = frames[start:]
         self._seq = self._seq_start = kept[-1][0]
-        self._replay = deque(frame for _, frame in kept)
+        self._replay = [frame for _, frame in kept]
+        self._replay_head = 0
         self._replay_bytes = sum(len(frame) for frame in self._replay)
         self._budget.used += self._replay_bytes
 
@@ -381,7 +371,8 @@ class Outbox:
         What is pending stays for the writer to send (a slow reader's last
         ``response.done`` and the close frame), up to the close request."""
         self._budget.used -= self._replay_bytes
-        self._replay = None
+        self._replay = []
+        self._replay_head = 0
         self._replay_bytes = 0
 
     # -- internals -------------------------------------------------------------------
@@ -497,20 +488,31 @@ class Outbox:
             seq == self._framing.first_sequence_number and not self._replays_first
         ):
             return
-        replay = self._replay
-        if replay is None:
-            replay = self._replay = deque()
-        replay.append(frame)
+        self._replay.append(frame)
         self._replay_bytes += size
         budget = self._budget
         budget.used += size
-        # The oldest kept frames go until this buffer and all of them fit their limits.
+        if self._replay_bytes > self._replay_limit or budget.used > budget.limit:
+            self._evict()
+
+    def _evict(self) -> None:
+        """The oldest kept frames go until this buffer and all of them fit their limits."""
+        replay, budget = self._replay, self._budget
+        head = self._replay_head
         while self._replay_bytes > self._replay_limit or budget.used > budget.limit:
-            old = len(replay.popleft())
+            old = len(replay[head])
+            replay[head] = b""  # gone: its memory, at once
+            head += 1
             self._replay_bytes -= old
             budget.used -= old
-            if not replay:
+            if head == len(replay):
+                replay.clear()
+                head = 0
                 break
+        if head >= 64 and 2 * head >= len(replay):
+            del replay[:head]  # what is gone leaves the list (a copy of the rest, now and then)
+            head = 0
+        self._replay_head = head
 
     def _check_limits(self) -> None:
         if len(self) > self._max_pending or self._bytes > self._pending_limit:
