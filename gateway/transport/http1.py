@@ -455,10 +455,15 @@ class HttpConnection(asyncio.Protocol):
         them: read it without h11 if it has the common shape, else hand h11 all of it."""
         raw = self._raw
         assert raw is not None
-        end = raw.find(b"\r\n\r\n")
-        if end < 0 and len(raw) <= MAX_HEAD_BYTES:
+        # Where the head ends as h11 finds it (a bare LF ends a line too, which only h11
+        # reads): waiting for a CRLF CRLF that never comes would hang such a client.
+        found = _HEAD_END.search(raw)
+        if found is None and len(raw) <= MAX_HEAD_BYTES:
             return  # the rest of the head is coming (the head timer runs)
-        head = request_head.parse(raw, end) if 0 <= end <= MAX_HEAD_BYTES - 4 else None
+        end = found.start() - 1 if found is not None else -1
+        if raw[end : end + 4] != b"\r\n\r\n" or end > MAX_HEAD_BYTES - 4:
+            end = -1
+        head = request_head.parse(raw, end) if end >= 0 else None
         target = None
         if head is not None:
             path = head.target.partition("?")[0]
