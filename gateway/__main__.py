@@ -692,12 +692,27 @@ def _redacted(match: re.Match[str]) -> str:
     return kept + "[redacted]"
 
 
+# What each of _SECRETS's alternatives must contain (lower case): an ASCII line with none
+# of them cannot match, and skips the expression (a line per request: the access log).
+_SECRET_MARKS = (
+    "authorization",
+    "x-resume-token",
+    "openai-insecure-api-key.",
+    "resume_token",
+    "ek_",
+)
+
+
 def redact_secrets(record: logging.LogRecord) -> bool:
     """A log filter: the record's message with every credential replaced by [redacted]."""
     try:
         message = record.getMessage()
     except Exception:  # a malformed log call: logging reports it, as without the filter
         return True
+    if message.isascii():  # (?i) matches beyond ASCII as lower() does not: those lines, always
+        lower = message.lower()
+        if not any(mark in lower for mark in _SECRET_MARKS):
+            return True
     redacted = _SECRETS.sub(_redacted, message)
     if redacted != message:
         record.msg, record.args = redacted, None
