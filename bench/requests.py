@@ -20,6 +20,8 @@ Each system a fresh process, the systems alternating within a round, ``--rounds`
 (default 3); the figure is the server process's CPU µs per request over a window of
 ``--seconds`` (from /proc), median and range, and every ratio is taken within a round.
 Every request is checked (status 200 and a whole answer); a run with errors says so.
+``--rev REV`` also runs the gateway of commit REV (bench/other_tree.py) in every round:
+the same figures before a change.
 ``--profile SYSTEM:BODY`` samples that server with py-spy instead (bench/pyspy.py).
 
 Results: bench/results/requests.md and .json.
@@ -42,6 +44,7 @@ from typing import Any
 
 import orjson
 
+from bench import other_tree
 from bench.loadgen import raise_nofile
 from bench.procs import (
     cpu_seconds,
@@ -308,9 +311,13 @@ def drive(
 
 @contextlib.contextmanager
 def system(name: str) -> Iterator[tuple[int, int, list[int]]]:
-    """(port, pid, pids of processes behind it) of a fresh server process."""
+    """(port, pid, pids of processes behind it) of a fresh server process; a gateway
+    named ``NAME+REV`` runs from commit REV's tree (bench/other_tree.py)."""
+    name, _, rev = name.partition("+")
     if name == "gateway":
         argv = gateway_argv(loop="uvloop", step_ms=0, response_tokens=ANSWER_TOKENS)
+        if rev:
+            argv = other_tree.gateway_argv(rev, argv)
         with server_process(argv) as s:
             yield s.port, s.pid, []
         return
@@ -328,6 +335,8 @@ def system(name: str) -> Iterator[tuple[int, int, list[int]]]:
     with server_process(upstream_argv) as upstream:
         if name == "gateway-upstream":
             argv = gateway_argv(loop="uvloop", upstream=upstream.http_url)
+            if rev:
+                argv = other_tree.gateway_argv(rev, argv)
         elif name == "proxy":
             argv = fastapi_proxy_argv(upstream=upstream.http_url, loop="uvloop")
         else:
@@ -336,25 +345,35 @@ def system(name: str) -> Iterator[tuple[int, int, list[int]]]:
             yield s.port, s.pid, [upstream.pid]
 
 
-# (system, body name, streamed): what each scenario runs, in each round.
-SCENARIOS: dict[str, list[tuple[str, str, bool]]] = {
-    "sim": [
-        (system_name, body, False)
-        for body in ("chat", "responses", "codex")
-        for system_name in ("gateway", "fastapi")
-    ],
-    "upstream": [
-        (system_name, "chat", stream)
-        for stream in (False, True)
-        for system_name in ("gateway-upstream", "proxy")
-    ],
-}
+SCENARIOS = ("sim", "upstream")
 
 
-def run(rounds: int, seconds: float, only: set[str]) -> list[dict[str, Any]]:
+def scenarios(revs: list[str]) -> dict[str, list[tuple[str, str, bool]]]:
+    """(system, body name, streamed): what each scenario runs, in each round; each
+    ``--rev``'s gateway beside this tree's."""
+    befores = [f"+{rev}" for rev in revs]
+    return {
+        "sim": [
+            (system_name, body, False)
+            for body in ("chat", "responses", "codex")
+            for system_name in ("gateway", *(f"gateway{b}" for b in befores), "fastapi")
+        ],
+        "upstream": [
+            (system_name, "chat", stream)
+            for stream in (False, True)
+            for system_name in (
+                "gateway-upstream",
+                *(f"gateway-upstream{b}" for b in befores),
+                "proxy",
+            )
+        ],
+    }
+
+
+def run(rounds: int, seconds: float, only: set[str], revs: list[str]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for r in range(rounds):
-        for scenario, runs in SCENARIOS.items():
+        for scenario, runs in scenarios(revs).items():
             if scenario not in only:
                 continue
             for name, body_name, stream in runs:
@@ -429,7 +448,7 @@ def _ratio(a: list[float], b: list[float]) -> list[float]:
     return [x / y for x, y in zip(a, b, strict=False)]
 
 
-def report(rows: list[dict[str, Any]], rounds: int) -> str:
+def report(rows: list[dict[str, Any]], rounds: int, revs: list[str]) -> str:
     lines = [
         "# The cost of a request (bench/requests.py)",
         "",
@@ -458,7 +477,7 @@ def report(rows: list[dict[str, Any]], rounds: int) -> str:
                     f"| {body} ({size:,} bytes) | {_span(mine)} | {_span(theirs)} | "
                     f"{_span(_ratio(mine, theirs), 2)} |"
                 )
-        lines.append("")
+        lines += ["", *_befores(rows, revs, "sim", "gateway", False)]
     if any(r["scenario"] == "upstream" for r in rows):
         lines += [
             "## Chat Completions through --engine upstream beside FastAPI + httpx (LiteLLM's "
@@ -488,14 +507,36 @@ def report(rows: list[dict[str, Any]], rounds: int) -> str:
                     f"{_span(_ratio(mine, theirs), 2)} | {behind[0]:,.0f}; {behind[1]:,.0f} |"
                 )
         lines.append("")
+        for stream in (False, True):
+            lines += _befores(rows, revs, "upstream", "gateway-upstream", stream)
     return "\n".join(lines)
+
+
+def _befores(
+    rows: list[dict[str, Any]], revs: list[str], scenario: str, name: str, stream: bool
+) -> list[str]:
+    """Each ``--rev``'s gateway beside this tree's, per body, in the same rounds."""
+    lines = []
+    for rev in revs:
+        for body in ("chat", "responses", "codex"):
+            mine = _cpu(rows, scenario, name, body, stream)
+            before = _cpu(rows, scenario, f"{name}+{rev}", body, stream)
+            if mine and before:
+                lines.append(
+                    f"- {body}{' streamed' if stream else ''}: {name} of {rev} {_span(before)} "
+                    f"µs/request; this tree's ÷ it: {_span(_ratio(mine, before), 2)}"
+                )
+    return [*lines, ""] if lines else []
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.requests", description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=4.0)
-    parser.add_argument("--only", choices=tuple(SCENARIOS), action="append")
+    parser.add_argument("--only", choices=SCENARIOS, action="append")
+    parser.add_argument(
+        "--rev", action="append", default=[], help="also the gateway of this commit (an A/B)"
+    )
     parser.add_argument(
         "--profile",
         metavar="SYSTEM:BODY[:stream]",
@@ -509,9 +550,9 @@ def main(argv: list[str] | None = None) -> int:
         for target in args.profile:
             print(profile(target, args.seconds, RESULTS))
         return 0
-    rows = run(args.rounds, args.seconds, set(args.only or SCENARIOS))
+    rows = run(args.rounds, args.seconds, set(args.only or SCENARIOS), args.rev)
     (RESULTS / "requests.json").write_text(json.dumps(rows, indent=2))
-    text = report(rows, args.rounds)
+    text = report(rows, args.rounds, args.rev)
     (RESULTS / "requests.md").write_text(text + "\n")
     print(text)
     return 0
