@@ -616,7 +616,7 @@ class _ChatTurn(_Turn):
             _finish_turn(tally, self, "failed", 0, t)
             return
         for choice in chunk["choices"]:
-            delta = choice["delta"].get("content")
+            delta = self.text(choice)
             if delta:
                 self.parts.append(delta)
                 if t in win:
@@ -632,6 +632,12 @@ class _ChatTurn(_Turn):
         if usage is not None:  # the last chunk (stream_options.include_usage)
             status = "incomplete" if self.finish_reason == "length" else "completed"
             _finish_turn(tally, self, status, usage["completion_tokens"], t)
+
+    @staticmethod
+    def text(choice: dict[str, Any]) -> str | None:
+        """A streamed choice's text."""
+        content: str | None = choice["delta"].get("content")
+        return content
 
 
 class ChatHttpSession(HttpSession):
@@ -678,31 +684,13 @@ class ChatHttpSession(HttpSession):
 class _CompletionTurn(_ChatTurn):
     """A Completions turn: its ``text_completion`` chunks, every choice's (usage last)."""
 
-    def on_chunk(self, chunk: dict[str, Any], t: float, win: Window, tally: Tally) -> None:
-        if "error" in chunk:
-            tally.errors[chunk["error"].get("code") or "failed"] += self.record
-            _finish_turn(tally, self, "failed", 0, t)
-            return
-        for choice in chunk["choices"]:
-            text = choice["text"]
-            if text:
-                self.parts.append(text)
-                if t in win:
-                    tally.delta_frames += 1
-                    tally.chars += len(text)
-                if not self.first:
-                    self.first = t
-                elif self.record:
-                    tally.gaps.append(t - self.last)
-                self.last = t
-            self.finish_reason = choice["finish_reason"] or self.finish_reason
-        usage = chunk.get("usage")
-        if usage is not None:  # the last chunk (stream_options.include_usage)
-            status = "incomplete" if self.finish_reason == "length" else "completed"
-            _finish_turn(tally, self, status, usage["completion_tokens"], t)
+    @staticmethod
+    def text(choice: dict[str, Any]) -> str | None:
+        text: str = choice["text"]
+        return text
 
 
-class CompletionsHttpSession(HttpSession):
+class CompletionsHttpSession(ChatHttpSession):
     """``POST /v1/completions`` on one keep-alive connection, a request per turn (its
     ``n`` choices interleaved); with ``stream``, its chunks as they arrive."""
 
@@ -722,10 +710,6 @@ class CompletionsHttpSession(HttpSession):
 
     def _new_turn(self, record: bool) -> Any:
         return _CompletionTurn(now(), record)
-
-    def _on_data(self, turn: Any, data: bytes, t: float, win: Window, tally: Tally) -> None:
-        if data != b"[DONE]":
-            turn.on_chunk(orjson.loads(data), t, win, tally)
 
     def _whole(
         self, turn: Any, response: dict[str, Any], t: float, win: Window, tally: Tally

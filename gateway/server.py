@@ -313,11 +313,6 @@ class Gateway:
         )
 
     @property
-    def session_defaults(self) -> SessionConfig:
-        """What a new session starts with: the engine's and the command line's defaults."""
-        return self.table.defaults
-
-    @property
     def model(self) -> str:
         """The model sessions are told they talk to (the engine's, once it has started)."""
         return self.table.defaults.model

@@ -7,8 +7,9 @@ own seed (the request's plus its index: a seeded request is reproducible choice 
 choice), its own deltas, which reach the client interleaved, each chunk naming its choice's
 ``index``. :class:`Choices` starts them all or none, and says when the last has ended;
 :class:`ChoiceFraming` builds a text chunk from bytes, with the choice's index, as the
-other dialects build their text deltas; :class:`OneRequest` is the rest of the ``Dialect``
-protocol for a session that answers one request and is never resumed or kept.
+other dialects build their text deltas; :class:`OneRequestDialect` is what both dialects
+do alike around them (the refusal, the error, usage and whole object at the end, and the
+``Dialect`` hooks of a session that is never resumed or kept).
 
 Who owns what: a dialect's :class:`Choices` is the actor's, changed on its turn (and on the
 scheduler's fan-out call, where no handler runs).
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import orjson
 
@@ -43,19 +44,6 @@ class RequestObserver(Protocol):
 
     def refused(self, err: ProtocolError) -> None:
         """The request was refused before it started."""
-
-
-def error_json(err: ProtocolError) -> codec.JSON:
-    """OpenAI's error object: a response's body, or a stream's last ``data:`` (which the
-    SDK raises as an ``APIError``)."""
-    return {
-        "error": {
-            "message": err.message,
-            "type": err.error_type,
-            "param": err.param,
-            "code": err.code,
-        }
-    }
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -141,21 +129,27 @@ class Choices:
     def index(self, r: ResponseState) -> int:
         return self._index[r.id]
 
-    def start(self, specs: list[ResponseSpec], request_id: str) -> None:
-        """Start one response per spec (choice ``i`` is ``specs[i]``, its seed made its
-        own), all or none: raises ``overloaded`` or ``rate_limit_exceeded`` otherwise.
-        The dialect's ``response_started`` runs for each before this returns."""
+    def start(self, specs: Sequence[ResponseSpec], each: int, request_id: str) -> None:
+        """Start ``each`` responses per spec, all or none: choice ``i`` is
+        ``specs[i // each]``, its seed made its own. Raises ``overloaded`` or
+        ``rate_limit_exceeded`` otherwise. Choice 0's response id is ``request_id`` (what
+        the client sees, and the access log says), the others' ``request_id-i``. The
+        dialect's ``response_started`` runs for each before this returns."""
         core = self._core
-        if core.scheduler.room < len(specs):
+        count = len(specs) * each
+        if core.scheduler.room < count:
             raise overloaded()
-        core.check_rate_limits(len(specs))
-        self.count = len(specs)
-        ids = [request_id if len(specs) == 1 else f"{request_id}-{i}" for i in range(len(specs))]
+        core.check_rate_limits(count)
+        self.count = count
+        ids = [request_id, *(f"{request_id}-{i}" for i in range(1, count))]
         self._index = {response_id: i for i, response_id in enumerate(ids)}
-        for i, (spec, response_id) in enumerate(zip(specs, ids, strict=True)):
+        for i, response_id in enumerate(ids):
+            spec = specs[i // each]
             seeded = replace(spec.sampling, seed=choice_seed(spec.sampling.seed, i))
+            # A prompt's tokens count once in the request's usage, as OpenAI counts them.
+            choice = replace(spec, sampling=seeded, counts_prompt=i % each == 0)
             self._framing.add(response_id, i)
-            if core.start_response(replace(spec, sampling=seeded), response_id=response_id):
+            if core.start_response(choice, response_id=response_id):
                 continue
             # The room was checked: only a scheduler that began to close gets here.
             self.fail()
@@ -181,20 +175,15 @@ class Choices:
         for response in self._core.responses:
             self._core.cancel_response(response, "disconnected")
 
-    def usage(self, prompt_of: dict[int, int] | None = None) -> Usage:
-        """The request's usage: every choice's output tokens; each prompt's tokens once
-        (as OpenAI counts a prompt with ``n``), from the first choice of that prompt.
-        ``prompt_of`` maps a choice to its prompt's number (all choices share prompt 0
-        without it)."""
-        prompt_of = prompt_of or {}
-        first: dict[int, Usage] = {}
-        output = 0
-        for index in sorted(self.ended):
-            usage = self.ended[index].outcome.usage
-            first.setdefault(prompt_of.get(index, 0), usage)
+    def usage(self) -> Usage:
+        """The request's usage: every choice's output tokens, and each prompt's tokens once
+        (from the choices that count them: ``ResponseSpec.counts_prompt``)."""
+        inputs = output = cached = 0
+        for ended in self.ended.values():
+            usage = ended.outcome.usage
             output += usage.output_tokens
-        inputs = sum(u.input_tokens for u in first.values())
-        cached = sum(u.cached_tokens for u in first.values())
+            if ended.response.spec.counts_prompt:
+                inputs, cached = inputs + usage.input_tokens, cached + usage.cached_tokens
         return Usage(inputs, output, cached)
 
 
@@ -227,9 +216,131 @@ def failed_error(outcome: Outcome) -> ProtocolError:
     )
 
 
-class OneRequest:
-    """The ``Dialect`` hooks that a session answering one HTTP request has nothing to do in:
-    it is never resumed, taken over or kept in a store, and has no maximum age."""
+class RequestBody(Protocol):
+    """What :class:`OneRequestDialect` reads of a decoded request body."""
+
+    @property
+    def stream(self) -> bool: ...
+
+    @property
+    def include_usage(self) -> bool: ...
+
+
+BodyT = TypeVar("BodyT", bound=RequestBody)
+
+
+class OneRequestDialect(Generic[BodyT]):
+    """A dialect whose session answers one HTTP request with its :class:`Choices` (Chat
+    Completions, Completions): the request and its observer, the refusal, the stream's
+    error and usage chunks, the whole object at the end; and the ``Dialect`` hooks such a
+    session has nothing to do in: it is never resumed, taken over or kept in a store, and
+    has no maximum age.
+
+    A dialect names its ``command`` class (whose ``body`` is a ``BodyT``) and gives
+    :meth:`_start` (which fills ``_head`` and starts ``_choices``), :meth:`_choice_started`,
+    :meth:`_choice_ended` and :meth:`_whole`."""
+
+    name: str
+    command: type[Any]  # the one command: its ``body`` is the request's
+
+    def __init__(self, framing: ChoiceFraming, observer: RequestObserver | None = None) -> None:
+        self.framing = framing
+        self.observer = observer
+        self._core: Session | None = None
+        self._choices: Choices | None = None
+        self._body: BodyT | None = None
+        self._head: codec.JSON = {}  # every chunk's id, object, created and model
+        self._started = False
+
+    @property
+    def core(self) -> Session:
+        assert self._core is not None
+        return self._core
+
+    @property
+    def choices(self) -> Choices:
+        assert self._choices is not None
+        return self._choices
+
+    @property
+    def body(self) -> BodyT:
+        assert self._body is not None
+        return self._body
+
+    def attach(self, core: Session, greet: bool) -> None:
+        self._core = core
+
+    def handle(self, command: object) -> None:
+        if not isinstance(command, self.command):
+            raise ProtocolError("invalid_event", f"A {self.name} session takes one request.")
+        if self._body is not None:
+            raise ProtocolError("invalid_event", f"A {self.name} session answers one request.")
+        self._body = command.body
+        self._start(command.body)
+
+    def _start(self, body: BodyT) -> None:
+        """Start the request's choices (or raise :class:`ProtocolError`: a refusal)."""
+        raise NotImplementedError
+
+    def _choice_started(self, r: ResponseState) -> None:
+        """Choice ``r`` was admitted: what its stream opens with."""
+        raise NotImplementedError
+
+    def _choice_ended(self, r: ResponseState, outcome: Outcome) -> None:
+        """Choice ``r`` ended (not failed): its stream's last chunk."""
+        raise NotImplementedError
+
+    def _whole(self) -> codec.JSON:
+        """Every choice has ended: the whole object's ``object`` (if not the chunks') and
+        ``choices``."""
+        raise NotImplementedError
+
+    def error(self, err: ProtocolError) -> None:
+        if not self._started:
+            if self.observer is not None:
+                self.observer.refused(err)
+            return
+        self._put_error(err)
+
+    def _put_error(self, err: ProtocolError) -> None:
+        if self._body is not None and self._body.stream:
+            self.core.outbox.put(codec.error_json(err))
+
+    # -- what the core reports ---------------------------------------------------------
+
+    def response_started(self, r: ResponseState) -> None:
+        if not self._started:
+            self._started = True
+            if self.observer is not None:
+                self.observer.started(self._head)
+        self._choice_started(r)
+
+    def response_ended(self, r: ResponseState, outcome: Outcome) -> None:
+        choices = self.choices
+        if choices.end(r, outcome) is None:
+            return
+        if outcome.status == "failed":
+            err = failed_error(outcome)
+            choices.fail()
+            self._put_error(err)
+            self._end(codec.error_json(err))
+            return
+        self._choice_ended(r, outcome)
+        if choices.over:
+            self._complete()
+
+    def _complete(self) -> None:
+        """Every choice has ended: the usage chunk, and the whole object."""
+        usage = codec.completion_usage_json(self.choices.usage())
+        if self.body.stream and self.body.include_usage:
+            self.core.outbox.put({**self._head, "choices": [], "usage": usage})
+        self._end({**self._head, **self._whole(), "usage": usage})
+
+    def _end(self, body: codec.JSON) -> None:
+        if self.observer is not None:
+            self.observer.ended(body)
+
+    # -- what a session that answers one request has nothing to do in --------------------
 
     def response_continued(self, r: ResponseState) -> None:
         """Never: such a session is not kept in a store, so no process takes it over."""

@@ -1,10 +1,11 @@
-"""The codec both dialects share: ids, the field readers, item specs, server event helpers.
+"""The codec the dialects share: ids, the field readers, item specs, server event helpers.
 
 Nothing here does I/O or knows a dialect's event names: :class:`Reader` validates one JSON
 object's fields and raises :class:`~sessions.errors.ProtocolError` naming the param;
 :func:`read_frame` opens any client frame; :func:`encode` and :func:`event` build server
 events as dicts and bytes. Each dialect's own codec (``sessions/realtime/codec.py``,
-``sessions/responses/codec.py``) is built from these.
+``sessions/responses/codec.py``, ``sessions/chat/codec.py``, ``sessions/completions/codec.py``)
+is built from these.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, TypeVar
 
 import orjson
 
-from gateway.engines.base import TOOL_CHOICE_MODES, Role, TokenLogprob, Tool, ToolChoice
+from gateway.engines.base import TOOL_CHOICE_MODES, Role, TokenLogprob, Tool, ToolChoice, Usage
 from sessions import strict_schema
 from sessions.errors import ProtocolError
 
@@ -98,6 +99,12 @@ class _Unset(enum.Enum):
 
 Unset = Literal[_Unset.UNSET]
 UNSET: Unset = _Unset.UNSET
+T = TypeVar("T")
+
+
+def chosen(value: T | Unset, default: T) -> T:
+    """What the client sent, or ``default`` (the session's) where it sent nothing."""
+    return default if value is UNSET else value
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +210,15 @@ class Reader:
     def optional_string(self, key: str, *, max_chars: int | None = None) -> str | None:
         return None if self.obj.get(key) is None else self.string(key, max_chars=max_chars)
 
+    def boolean(self, key: str) -> bool:
+        value = self.obj[key]
+        if not isinstance(value, bool):
+            raise self.fail(key, f"'{self.param(key)}' must be a boolean.", "invalid_type")
+        return value
+
+    def optional_boolean(self, key: str) -> bool | None:
+        return None if self.obj.get(key) is None else self.boolean(key)
+
     def number(self, key: str, low: float, high: float) -> float | None:
         value = self.obj[key]
         if value is None:
@@ -277,6 +293,69 @@ class Reader:
 
 # Chat Completions' range for both penalties.
 PENALTY_RANGE = (-2.0, 2.0)
+MAX_CHOICES = 128  # OpenAI's bound on n (and best_of); --max-choices is the gateway's own
+
+
+def json_body(body: str | bytes) -> dict[str, Any]:
+    """An HTTP request's JSON body, which must be an object. Raises :class:`ProtocolError`."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError("invalid_json", f"The body is not valid JSON: {exc}.") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("invalid_value", "The body must be a JSON object.")
+    return obj
+
+
+def read_sampling(r: Reader) -> dict[str, float | None]:
+    """The sampling fields every dialect reads alike, in OpenAI's ranges: ``temperature``,
+    ``top_p`` and the two penalties."""
+    fields: dict[str, float | None] = {}
+    if r.has("temperature"):
+        fields["temperature"] = r.number("temperature", 0.0, 2.0)
+    if r.has("top_p"):
+        fields["top_p"] = r.number("top_p", 0.0, 1.0)
+    for penalty in ("frequency_penalty", "presence_penalty"):
+        if r.has(penalty):
+            fields[penalty] = r.number(penalty, *PENALTY_RANGE)
+    return fields
+
+
+def read_completion_fields(r: Reader) -> dict[str, Any]:
+    """What both completion APIs (Chat Completions, Completions) read alike, by their
+    bodies' field names: ``model``, ``stream`` and ``stream_options``
+    (``include_usage``), the sampling fields, ``seed``, ``stop`` and ``n``."""
+    obj = r.obj
+    fields: dict[str, Any] = {}
+    if obj.get("model") is not None:
+        fields["model"] = r.string("model", max_chars=256)
+    if obj.get("stream") is not None:
+        fields["stream"] = r.boolean("stream")
+    if obj.get("stream_options") is not None:
+        options = r.child("stream_options")
+        options.only(frozenset({"include_usage", "include_obfuscation"}))
+        if options.obj.get("include_usage") is not None:
+            fields["include_usage"] = options.boolean("include_usage")
+        options.optional_boolean("include_obfuscation")  # no obfuscation: nothing to pad
+    fields.update(read_sampling(r))
+    if r.has("seed"):
+        fields["seed"] = r.integer("seed", 0, 2**64 - 1)
+    if r.has("stop"):
+        fields["stop"] = r.stop("stop")
+    if obj.get("n") is not None:
+        fields["n"] = r.integer("n", 1, MAX_CHOICES)  # and at most --max-choices
+    return fields
+
+
+def completion_usage_json(usage: Usage) -> JSON:
+    """The ``usage`` of a ``chat.completion`` and of a ``text_completion``."""
+    return {
+        "prompt_tokens": usage.input_tokens,
+        "completion_tokens": usage.output_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
 
 _TOOL_FIELDS = frozenset({"type", "name", "description", "parameters"})
 
@@ -317,9 +396,7 @@ def function_tool(t: Reader, name: str) -> Tool:
     """A function tool's description, JSON Schema ``parameters`` (an object's) and
     ``strict``: a strict tool's parameters must be inside OpenAI's strict subset."""
     description = t.optional_string("description") or ""
-    strict = t.obj.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise t.fail("strict", f"'{t.param('strict')}' must be a boolean.", "invalid_type")
+    strict = t.optional_boolean("strict")
     parameters = t.obj.get("parameters")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
@@ -506,6 +583,19 @@ def check_model(name: str | None, served: tuple[str, ...], event_id: str | None 
             param="model",
             event_id=event_id,
         )
+
+
+def error_json(err: ProtocolError) -> JSON:
+    """OpenAI's error object: an HTTP error's body, or a stream's last ``data:`` (which the
+    SDK raises as an ``APIError``)."""
+    return {
+        "error": {
+            "message": err.message,
+            "type": err.error_type,
+            "param": err.param,
+            "code": err.code,
+        }
+    }
 
 
 def http_status(err: ProtocolError) -> int:

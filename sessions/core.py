@@ -50,6 +50,7 @@ from gateway.engines.base import (
 from gateway.metrics import Metrics
 from gateway.observability import Observability, Record, TraceContext
 from gateway.scheduler import CancelReason, Job, Outcome, Scheduler
+from gateway.tenants import OverLimit
 from sessions import codec, errors, observed
 from sessions.conversation import Conversation, Item
 from sessions.outbox import Outbox, Wire
@@ -111,6 +112,9 @@ class ResponseSpec:
     # the 400 an engine that cannot report them answers with.
     logprobs_param: str = "logprobs"
     model: str = ""  # the model the client named ("": the session's)
+    # Whether its prompt's tokens count in its request's usage (and access log line): not
+    # for a prompt's second and later choices (n, best_of), as OpenAI counts a prompt once.
+    counts_prompt: bool = True
     operation: str = "chat"  # what it is, as the GenAI conventions' gen_ai.operation.name
 
     def request(
@@ -718,12 +722,7 @@ class Session:
             return
         if self.metrics is not None:
             self.metrics.tenant_refused.labels(tenant=self.tenant, reason="request").inc()
-        raise errors.ProtocolError(
-            "rate_limit_exceeded",
-            f"Rate limit reached: {over.message} Retry in {over.retry_after:.1f} s.",
-            error_type="requests",
-            retry_after=over.retry_after,
-        )
+        raise rate_limited(over)
 
     def affinity(self, key: str | None) -> str | None:
         """A client's cache key (``prompt_cache_key``) as the engine's affinity key: within
@@ -733,14 +732,15 @@ class Session:
     def continue_response(self, r: ResponseState) -> None:
         """Go on with ``r``, a response a stopped gateway was streaming (a takeover): its
         items are open and ``r.prefix`` was sent; the engine continues from there, or,
-        where it cannot, the response fails with ``gateway_restarted``."""
+        where it cannot (Engine.continues: not every engine can, and none under a
+        constraint), the response fails with ``gateway_restarted``."""
         engine = self.scheduler.engine
         self._responses[r.job] = r
         r.record = self._observe(r.spec, r.id, r.continues or (None, None))
         self.dialect.response_continued(r)
         if r.text_index == 0:
             self._direct_text(r)
-        if engine.can_continue and not r.calls and r.text_index == 0:
+        if not r.calls and r.text_index == 0 and engine.continues(r.job.request):
             r.job.request = replace(
                 r.job.request,
                 continuation=r.prefix,
@@ -751,7 +751,8 @@ class Session:
                 return
         reason = (
             "the gateway that was generating this answer stopped, and this engine cannot "
-            "continue an answer: ask again"
+            "continue it (it cannot continue an answer, or this one was under a constraint): "
+            "ask again"
         )
         error = EngineError("gateway_restarted", reason)
         self._inbox.put_nowait(_JobDone(r.job, Outcome("failed", "", Usage(0, 0), error)))
@@ -823,8 +824,24 @@ class Session:
         finally:
             self._ending_response = False
         if r.record is not None and self.observability is not None:
-            calls = bool(r.calls)
-            observed.answer_ended(self.observability, r.record, r.job, outcome, calls=calls)
+            observed.answer_ended(
+                self.observability,
+                r.record,
+                r.job,
+                outcome,
+                calls=bool(r.calls),
+                counts_prompt=r.spec.counts_prompt,
+            )
+
+
+def rate_limited(over: OverLimit) -> errors.ProtocolError:
+    """A request its tenant's limits refuse (gateway/tenants.py), as the client is told."""
+    return errors.ProtocolError(
+        "rate_limit_exceeded",
+        f"Rate limit reached: {over.message} Retry in {over.retry_after:.1f} s.",
+        error_type="requests",
+        retry_after=over.retry_after,
+    )
 
 
 def item_status(outcome: Outcome) -> str:

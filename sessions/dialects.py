@@ -15,7 +15,7 @@ from typing import Any
 
 from sessions.chat.dialect import ChatDialect, chat_framing
 from sessions.completions.dialect import CompletionsDialect, completion_framing
-from sessions.core import Dialect, Session
+from sessions.core import Dialect
 from sessions.outbox import Framing
 from sessions.realtime.dialect import RealtimeDialect, RealtimeFraming
 from sessions.response_store import ResponseStore
@@ -82,7 +82,3 @@ COMPLETIONS = DialectKind(
 BY_NAME: dict[str, DialectKind] = {
     kind.name: kind for kind in (REALTIME, RESPONSES, CHAT, COMPLETIONS)
 }
-
-
-def kind_of(session: Session) -> DialectKind:
-    return BY_NAME[session.dialect.name]

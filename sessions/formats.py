@@ -65,7 +65,7 @@ def _schema_format(s: Reader) -> JSON:
     if not TOOL_NAME.fullmatch(name):
         raise s.fail("name", f"'{s.param('name')}' must be 1 to 64 letters, digits, '_' or '-'.")
     description = s.optional_string("description")
-    strict = _optional_bool(s, "strict")
+    strict = s.optional_boolean("strict")
     schema: Any = s.obj.get("schema")
     if schema is not None and not isinstance(schema, dict):
         raise s.fail(
@@ -86,12 +86,3 @@ def _schema_format(s: Reader) -> JSON:
     if strict is not None:
         echo["strict"] = strict
     return echo
-
-
-def _optional_bool(r: Reader, key: str) -> bool | None:
-    value = r.obj.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, bool):
-        raise r.fail(key, f"'{r.param(key)}' must be a boolean.", "invalid_type")
-    return value

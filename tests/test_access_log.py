@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
+import openai
 import orjson
 import pytest
 from websockets.asyncio.client import connect
@@ -118,6 +119,49 @@ async def test_http_routes_each_leave_one_line_with_their_figures(
 
     x = await line(caplog, lambda x: x.get("request_id") == unauthorized.headers["x-request-id"])
     assert (x["status"], x["error_code"], x.get("tenant")) == (401, "invalid_api_key", None)
+
+
+async def test_the_choices_of_one_request_are_one_line_with_the_requests_usage(
+    gw: RunningGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``n`` choices (and a Completions request's prompts) are answers of one request: its
+    one line, named by the id the client got, with the usage the client got."""
+    messages = [{"role": "user", "content": "hi"}]
+    async with client() as http:
+        chat = await http.post(
+            f"{gw.http_url}/v1/chat/completions", json={"messages": messages, "n": 3}
+        )
+        body = {"prompt": ["one two", "three"], "n": 2, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        completions = await http.post(f"{gw.http_url}/v1/completions", json=body)
+    chunks = [orjson.loads(x[6:]) for x in completions.text.splitlines() if x[:7] == "data: {"]
+    seen = [  # (answer, the id and usage its client got, its choices of 8 tokens each)
+        (chat, chat.json()["id"], chat.json()["usage"], 3),
+        (completions, chunks[0]["id"], chunks[-1]["usage"], 4),
+    ]
+    for answer, answer_id, usage, choices in seen:
+        x = await line(caplog, lambda x, a=answer: x.get("request_id") == a.headers["x-request-id"])
+        assert x["kind"] == "http" and x["response_id"] == answer_id
+        assert x["response_status"] == "completed"
+        assert x["input_tokens"] == usage["prompt_tokens"]
+        assert x["output_tokens"] == usage["completion_tokens"] == choices * 8
+        check_answer_timings(x)
+    assert not [x for x in lines(caplog) if x["kind"] == "answer"]  # no line of their own
+
+
+async def test_openais_404_and_405_have_their_lines_and_the_id_the_sdk_reports(
+    gw: RunningGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with openai.AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key=KEY, max_retries=0) as c:
+        with pytest.raises(openai.NotFoundError) as missing:  # no embeddings on the sim
+            await c.embeddings.create(model="m", input="hello")
+        with pytest.raises(openai.APIStatusError) as wrong:
+            await c.get("/completions", cast_to=object)
+    for error, route, status in ((missing, "/v1/embeddings", 404), (wrong, "/v1/completions", 405)):
+        request_id = error.value.request_id
+        assert request_id is not None and request_id.startswith("req_")
+        x = await line(caplog, lambda x, rid=request_id: x.get("request_id") == rid)
+        assert (x["route"], x["status"], x["tenant"]) == (route, status, "alice")
 
 
 async def test_every_other_route_leaves_its_line(

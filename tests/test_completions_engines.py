@@ -151,6 +151,8 @@ async def test_embeddings_pass_through_with_the_keys_and_limits(
             assert len(embedded.data) == 2 and len(embedded.data[0].embedding) > 100
             with pytest.raises(openai.RateLimitError):  # the tenant's second request counts
                 await c.embeddings.create(model="m", input="c")
+        _, metrics = await gw.get("/metrics")
+        assert b'gateway_tenant_refused_total{reason="request",tenant="team"} 1.0' in metrics
         async with openai.AsyncOpenAI(
             base_url=f"{gw.http_url}/v1", api_key="wrong", max_retries=0
         ) as c:

@@ -9,7 +9,6 @@ the TensorRT-LLM stand-in have their own file (tests/test_logprobs_engines.py)."
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,7 +18,6 @@ import orjson
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response
-from websockets.exceptions import ConnectionClosed
 
 from gateway.engines.base import (
     Finished,
@@ -39,7 +37,7 @@ from sessions.responses.dialect import ResponsesDialect, ResponsesFraming
 from tests.support.gateway_processes import TIMEOUT, gateways
 from tests.support.harness import RunningGateway, running_gateway
 from tests.support.redis_server import RedisServer, redis_server_fixture  # noqa: F401
-from tests.support.responses_harness import ResponsesClient, validate
+from tests.support.responses_harness import ResponsesClient, drained_mid_answer, validate
 from tests.support.scripted_engine import ScriptedEngine
 from tests.support.wires import MemoryWire
 from tests.test_chat_completions import raw_post, sse_chunks, strict
@@ -138,6 +136,36 @@ async def test_chat_streams_logprobs_in_every_chunk_and_joined_they_are_the_answ
         if chunk.choices and chunk.choices[0].logprobs:
             seen += chunk.choices[0].logprobs.content or []
     assert [lp.model_dump() for lp in seen] == content
+
+
+async def test_each_of_n_choices_has_its_own_logprobs_streamed_or_not(
+    gw: RunningGateway,
+) -> None:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Two, please"}],
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    completion = strict(ChatCompletion, (await raw_post(gw, body)).json())
+    assert [c.index for c in completion.choices] == [0, 1]
+    for choice in completion.choices:
+        assert choice.logprobs is not None and choice.logprobs.content
+        tokens = [t.token for t in choice.logprobs.content]
+        assert "".join(tokens) == choice.message.content
+        assert [t.model_dump() for t in choice.logprobs.content] == expected(tokens, 2)
+    chunks = sse_chunks((await raw_post(gw, {**body, "stream": True})).text)
+    texts: dict[int, str] = {0: "", 1: ""}
+    joined: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+    for chunk in chunks:
+        strict(ChatCompletionChunk, chunk)
+        for choice in chunk["choices"]:
+            if choice["delta"].get("content"):
+                texts[choice["index"]] += choice["delta"]["content"]
+                joined[choice["index"]] += choice["logprobs"]["content"]
+    assert texts == {c.index: c.message.content for c in completion.choices}
+    assert all("".join(e["token"] for e in joined[i]) == texts[i] for i in (0, 1))
 
 
 async def test_chat_top_logprobs_zero_gives_the_token_alone(gw: RunningGateway) -> None:
@@ -375,22 +403,8 @@ async def test_a_takeover_continues_the_logprobs_where_the_first_gateway_left_th
     the session over and continues the answer, whose log probabilities go on from those
     the client has, as the done event and the stored output have them all."""
     async with gateways(redis_server.url, 2, "--drain-timeout", "0.2", tokens=60) as (a, b):
-        async with ResponsesClient.connect(a.url("/v1/responses")) as c:
-            await c.create(input="A long one", include=LOGPROBS, top_logprobs=1)
-            seen = [await c.recv() for _ in range(8)]
-            a.terminate()
-            with contextlib.suppress(ConnectionClosed):
-                while True:
-                    seen.append(await c.recv())
-            session, token = c.session_id, c.resume_token
-        assert await a.stop() == 0
-        headers = {
-            "x-session-id": session,
-            "x-resume-token": token,
-            "x-last-sequence-number": str(seen[-1]["sequence_number"]),
-        }
-        async with ResponsesClient.connect(b.url("/v1/responses"), additional_headers=headers) as r:
-            rest = await r.collect()
+        create = {"input": "A long one", "include": LOGPROBS, "top_logprobs": 1}
+        seen, rest = await drained_mid_answer(a, b, 8, **create)
     events = seen + rest.events
     deltas = [e for e in events if e["type"] == "response.output_text.delta"]
     joined = [lp for e in deltas for lp in e["logprobs"]]

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from openai.types.responses import response_create_params as create_params
 from openai.types.responses import tool_param
 
+from gateway.engines.base import freeform_input
 from sessions import codec, errors
 from sessions.responses import codec as rs
 from sessions.responses import tools as rtools
@@ -313,10 +314,10 @@ def test_a_custom_inputs_prefix_decodes_as_its_arguments_arrive(text: str) -> No
     for size in (1, 2, 3, 7, len(arguments)):  # every cut, escapes and pairs included
         decoder = rtools.InputDecoder()
         pieces = [arguments[i : i + size] for i in range(0, len(arguments), size)]
-        assert "".join(decoder.feed(p) for p in pieces) == text == rtools.custom_input(arguments)
+        assert "".join(decoder.feed(p) for p in pieces) == text == freeform_input(arguments)
     other = rtools.InputDecoder()
     assert other.feed('{"other": 1, "input": "x"}') == "" and other.feed("more") == ""
-    assert rtools.custom_input("not json") == "not json"
+    assert freeform_input("not json") == "not json"
 
 
 def test_a_custom_inputs_decoder_holds_back_at_most_an_escape() -> None:

@@ -24,7 +24,10 @@ from pydantic import BaseModel
 from gateway.engines import grammars
 from gateway.engines.base import Constraint
 from gateway.engines.sim import SimEngine
+from tests.support.gateway_processes import gateways
 from tests.support.harness import RawClient, RunningGateway, running_gateway
+from tests.support.redis_server import RedisServer, redis_server_fixture  # noqa: F401
+from tests.support.responses_harness import drained_mid_answer, validate
 from tests.support.scripted_engine import ScriptedEngine
 
 KEY = "key-structured"
@@ -102,6 +105,25 @@ async def test_json_object_on_both_apis(gw: RunningGateway) -> None:
     )
     assert isinstance(json.loads(response.output_text), dict)
     assert response.text.format.type == "json_object"
+
+
+async def test_each_of_n_choices_validates_against_the_schema(gw: RunningGateway) -> None:
+    c = client(gw)
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+    messages: Any = [{"role": "user", "content": "The weather in Paris."}]
+    whole = await c.chat.completions.create(model="m", messages=messages, response_format=fmt, n=3)
+    assert len(whole.choices) == 3
+    for choice in whole.choices:
+        jsonschema.validate(json.loads(choice.message.content or ""), WEATHER)
+    stream = await c.chat.completions.create(
+        model="m", messages=messages, response_format=fmt, n=3, stream=True
+    )
+    texts = ["", "", ""]
+    async for chunk in stream:
+        for streamed in chunk.choices:
+            texts[streamed.index] += streamed.delta.content or ""
+    for text in texts:
+        jsonschema.validate(json.loads(text), WEATHER)
 
 
 def strict_format(schema: Any) -> dict[str, Any]:
@@ -283,3 +305,25 @@ def test_the_schemas_are_what_the_clients_send() -> None:
 
     assert strict_schema.violation(MATH_SCHEMA) is None
     assert orjson.loads(orjson.dumps(MATH_SCHEMA))["additionalProperties"] is False
+
+
+async def test_a_takeover_ends_an_answer_under_a_schema_rather_than_splice_it(
+    redis_server: RedisServer,
+) -> None:
+    """The gateway streaming a structured answer drains mid-answer: the one that takes the
+    session over cannot continue it (an engine's grammar would start again after the text
+    so far), so the answer fails (``gateway_restarted``), keeping what the client has,
+    never completed with JSON that does not parse."""
+    # Slow steps: the answer (some 20 pieces) is still streaming when the drain gives up.
+    async with gateways(redis_server.url, 2, "--drain-timeout", "0.2", step_ms=100) as (a, b):
+        fmt = {"type": "json_schema", "name": "math", "schema": MATH_SCHEMA, "strict": True}
+        create = {"input": "The weather, gateway", "text": {"format": fmt}}
+        seen, rest = await drained_mid_answer(a, b, 6, **create)
+    for event in seen + rest.events:
+        validate(event)
+    sent = "".join(e["delta"] for e in seen if e["type"] == "response.output_text.delta")
+    assert sent and not [e for e in rest.events if e["type"] == "response.output_text.delta"]
+    response = rest.response
+    assert response["status"] == "failed" and response["error"]["code"] == "server_error"
+    assert "under a constraint" in response["error"]["message"]  # gateway_restarted's
+    assert response["output"][0]["content"][0]["text"] == sent  # kept, not continued

@@ -19,6 +19,7 @@ import importlib.util
 import json
 import shutil
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,7 +29,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from gateway.engines import grammars
-from gateway.engines.base import Constraint
+from gateway.engines.base import Constraint, GenerationRequest, Message, Tool
 from gateway.engines.llamacpp import LlamaCppEngine, bundled_model_path
 from gateway.engines.sim import SimEngine
 from gateway.engines.upstream import UpstreamEngine
@@ -355,6 +356,37 @@ async def test_a_grammar_llama_cpp_would_sample_past_is_a_400(
             model="m", input="Patch it.", tools=[tool], tool_choice="required", stream=True
         )
     assert isinstance(info.value.body, dict) and info.value.body["code"] == "invalid_grammar"
+
+
+async def test_a_formatted_answer_comes_with_each_tokens_logprob(gw: RunningGateway) -> None:
+    """``logprobs`` beside a response format: the constrained answer's own tokens, each
+    with its alternatives, joined the answer that validates."""
+    schema = obj({"city": S, "country": S})
+    reply = await client(gw.http_url).chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Where is Paris?"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}},
+        logprobs=True,
+        top_logprobs=2,
+        max_tokens=TOKENS,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and choice.logprobs and choice.logprobs.content
+    content = choice.message.content or ""
+    jsonschema.validate(json.loads(content), schema)
+    assert "".join(t.token for t in choice.logprobs.content) == content
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in choice.logprobs.content)
+
+
+def test_an_answer_under_a_grammar_is_never_continued(engine: LlamaCppEngine) -> None:
+    """A takeover's continuation would restart the grammar after the text so far (the
+    answer, spliced, would not parse): such an answer is not given one."""
+    plain = GenerationRequest("r", (Message("user", "hi"),))
+    tool = Tool("get_time", "The time.", obj({"city": S}))
+    assert engine.continues(plain)
+    assert not engine.continues(replace(plain, constraint=Constraint("json_object")))
+    # SmolLM2's template cannot render tools: even "auto" goes under the tool grammar.
+    assert not engine.continues(replace(plain, tools=(tool,)))
 
 
 async def test_response_formats_through_an_upstream_pool_of_llama_cpp_servers() -> None:

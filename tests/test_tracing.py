@@ -89,6 +89,29 @@ async def test_a_streamed_chat_answer_is_a_span_under_the_clients_and_over_its_u
     assert sent["tracestate"] == "client=1"
 
 
+async def test_a_completions_request_with_choices_is_one_span(receiver: OtlpReceiver) -> None:
+    """Its prompts' ``n`` choices are answers of the one request: one span, each choice's
+    finish reason in it, its usage the request's."""
+    trace_id, client_span, headers = client_context()
+    engine = SimEngine(step_ms=1, response_tokens=5)
+    async with running_gateway(engine, otlp_traces_endpoint=receiver.endpoint) as gw:
+        body = {"model": "m", "prompt": ["one two", "three"], "n": 2, "max_tokens": 4}
+        async with httpx.AsyncClient(trust_env=False) as http:
+            reply = await http.post(f"{gw.http_url}/v1/completions", json=body, headers=headers)
+        completion = reply.json()
+        span = await receiver.span(in_trace(trace_id, "gen_ai.operation.name"))
+    assert span.parent_span_id == client_span and span.name == "text_completion m"
+    a = span.attributes
+    assert a["gen_ai.response.id"] == completion["id"]
+    assert a["gen_ai.response.finish_reasons"] == ["length"] * 4
+    usage = completion["usage"]
+    assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
+    assert [s for s in receiver.spans if s.trace_id == trace_id] == [span]
+
+
 async def test_a_cancelled_realtime_answer_is_a_span_under_the_upgrades_context(
     receiver: OtlpReceiver,
 ) -> None:

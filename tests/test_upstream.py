@@ -450,6 +450,30 @@ async def test_an_abort_before_the_first_token_is_retried_on_another_replica() -
         assert (aborting.generations, working.generations) == (1, 1)
 
 
+async def test_an_answer_under_a_response_format_is_not_moved_mid_answer() -> None:
+    """Another replica would start its JSON again after the text so far (``{"a": {"a": 1}``):
+    the answer fails with what the client has, and nothing is asked of the other."""
+    chunks = [sse('{"a": '), sse("1}"), sse(finish="stop")]
+    async with (
+        FakeUpstream(chunks, cut_after=1) as dying,
+        FakeUpstream(chunks) as survivor,
+        gateway_on([dying.url, survivor.url], continuation="prefill") as gw,
+        openai.AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key="k", max_retries=0) as c,
+    ):
+        stream = await c.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": QUESTION}],
+            response_format={"type": "json_object"},
+            stream=True,
+        )
+        text = ""
+        with pytest.raises(openai.APIError, match="failed mid-answer"):
+            async for chunk in stream:
+                text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+        assert text == '{"a": '
+        assert (dying.generations, survivor.generations) == (1, 0)
+
+
 async def test_close_while_streaming_and_stream_after_close_fail_cleanly() -> None:
     async with (
         FakeUpstream([], hold=True) as held,

@@ -14,11 +14,8 @@ one of them.
 from __future__ import annotations
 
 from gateway.api import one_request
-from gateway.api.admission import Admission, Entry
-from gateway.api.status import ServerState
+from gateway.api.http_api import HttpApi, send_error
 from gateway.api.waiter import Waiter
-from gateway.config import GatewayConfig
-from gateway.session_table import SessionTable
 from gateway.transport.http1 import HttpReply, HttpRequest
 from gateway.transport.router import Router
 from gateway.transport.sse import chunk_messages
@@ -27,20 +24,8 @@ from sessions.chat import codec as cc
 from sessions.chat.dialect import ChatDialect, chat_framing
 
 
-class ChatCompletionsHttp:
-    """The routes (see the module docstring); ``register`` puts them on a router."""
-
-    def __init__(
-        self,
-        config: GatewayConfig,
-        state: ServerState,
-        table: SessionTable,
-        admission: Admission,
-    ) -> None:
-        self._config = config
-        self._state = state
-        self._table = table
-        self._admission = admission
+class ChatCompletionsHttp(HttpApi):
+    """The routes (see the module docstring)."""
 
     def register(self, router: Router) -> None:
         limit = self._config.max_message_bytes
@@ -64,32 +49,32 @@ class ChatCompletionsHttp:
         }
 
     async def models(self, request: HttpRequest, reply: HttpReply) -> None:
-        if self._refused(request, reply, engine=False):
+        if self.admitted(request, reply, engine=False) is None:
             return
         data = [self._model_json(name) for name in self.served_names()]
         reply.send_json(200, {"object": "list", "data": data})
 
     async def model(self, request: HttpRequest, reply: HttpReply) -> None:
-        if self._refused(request, reply, engine=False):
+        if self.admitted(request, reply, engine=False) is None:
             return
         name = request.params["id"]
         try:
             codec.check_model(name, self.served_names())
         except errors.ProtocolError as err:
-            one_request.send_error(reply, err)
+            send_error(reply, err)
             return
         reply.send_json(200, self._model_json(name))
 
     # -- POST /v1/chat/completions -----------------------------------------------------
 
     async def create(self, request: HttpRequest, reply: HttpReply) -> None:
-        if self._refused(request, reply):
+        tenant = self.admitted(request, reply)
+        if tenant is None:
             return
-        tenant = self._admission.tenant(request.headers, Entry.HTTP)
         try:
             command = cc.decode(request.body)
         except errors.ProtocolError as err:
-            one_request.send_error(reply, err)
+            send_error(reply, err)
             return
         body, framing, waiter = command.body, chat_framing(), Waiter()
         stream = chunk_messages(body.include_usage, body.n) if body.stream else None
@@ -97,6 +82,3 @@ class ChatCompletionsHttp:
         await one_request.answer(
             self._table, request, reply, tenant, command, dialect, waiter, stream
         )
-
-    def _refused(self, request: HttpRequest, reply: HttpReply, *, engine: bool = True) -> bool:
-        return one_request.refused(self._admission, self._state, request, reply, engine=engine)

@@ -11,11 +11,8 @@ away ends).
 from __future__ import annotations
 
 from gateway.api import one_request
-from gateway.api.admission import Admission, Entry
-from gateway.api.status import ServerState
+from gateway.api.http_api import HttpApi, send_error
 from gateway.api.waiter import Waiter
-from gateway.config import GatewayConfig
-from gateway.session_table import SessionTable
 from gateway.transport.http1 import HttpReply, HttpRequest
 from gateway.transport.router import Router
 from gateway.transport.sse import chunk_messages
@@ -26,33 +23,21 @@ from sessions.completions.dialect import CompletionsDialect, completion_framing
 PATHS = ("/v1/completions", "/completions")
 
 
-class CompletionsHttp:
-    """The route (see the module docstring); ``register`` puts it on a router."""
-
-    def __init__(
-        self,
-        config: GatewayConfig,
-        state: ServerState,
-        table: SessionTable,
-        admission: Admission,
-    ) -> None:
-        self._config = config
-        self._state = state
-        self._table = table
-        self._admission = admission
+class CompletionsHttp(HttpApi):
+    """The route (see the module docstring)."""
 
     def register(self, router: Router) -> None:
         for path in PATHS:
             router.add("POST", path, self.create, body_limit=self._config.max_message_bytes)
 
     async def create(self, request: HttpRequest, reply: HttpReply) -> None:
-        if one_request.refused(self._admission, self._state, request, reply):
+        tenant = self.admitted(request, reply)
+        if tenant is None:
             return
-        tenant = self._admission.tenant(request.headers, Entry.HTTP)
         try:
             command = kc.decode(request.body)
         except errors.ProtocolError as err:
-            one_request.send_error(reply, err)
+            send_error(reply, err)
             return
         body, framing, waiter = command.body, completion_framing(), Waiter()
         choices = len(body.prompts) * body.n

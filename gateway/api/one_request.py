@@ -12,23 +12,14 @@ closes the session. The session is never kept (no client can resume it).
 
 from __future__ import annotations
 
-from gateway.api.admission import Admission
-from gateway.api.status import ServerState
+from gateway.api.http_api import SSE_HEADERS, send_error
 from gateway.api.waiter import Waiter
 from gateway.session_table import SessionTable
-from gateway.tenants import retry_after_header
 from gateway.transport.http1 import HttpReply, HttpRequest
 from gateway.transport.sse import Messages, SseWire
-from sessions import codec, errors
-from sessions.choices import error_json
+from sessions import errors
 from sessions.core import Dialect
 from sessions.outbox import Framing
-
-SSE_HEADERS = (
-    ("Content-Type", "text/event-stream; charset=utf-8"),
-    ("Cache-Control", "no-cache"),
-    ("X-Accel-Buffering", "no"),  # nginx: pass each event on at once
-)
 
 
 async def answer(
@@ -79,28 +70,3 @@ async def answer(
     finally:
         # Ends the answer in the engine within a step if it still runs (client gone).
         session.close("disconnected")
-
-
-def refused(
-    admission: Admission,
-    state: ServerState,
-    request: HttpRequest,
-    reply: HttpReply,
-    *,
-    engine: bool = True,
-) -> bool:
-    """Answer (and True) a request its key, Origin or the gateway's state refuses."""
-    refusal = admission.refuse_http(request.headers, ready=state.ready, need_engine=engine)
-    if refusal is None:
-        return False
-    err = errors.ProtocolError(refusal.code, refusal.message, error_type=refusal.error_type)
-    reply.send_json(refusal.status, error_json(err), refusal.headers)
-    return True
-
-
-def send_error(reply: HttpReply, err: errors.ProtocolError) -> None:
-    """``err`` as OpenAI's error object, with its status (and ``Retry-After`` on 429, 503)."""
-    status = codec.http_status(err)
-    wait = retry_after_header(err.retry_after or 1.0)
-    headers = {"Retry-After": wait} if status in (429, 503) else None
-    reply.send_json(status, error_json(err), headers)

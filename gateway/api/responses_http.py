@@ -24,10 +24,9 @@ import asyncio
 import logging
 from typing import Any
 
-import orjson
-
-from gateway.api.admission import Admission, Entry
+from gateway.api.admission import Admission
 from gateway.api.background_responses import UNREAD, BackgroundResponses, Live
+from gateway.api.http_api import SSE_HEADERS, HttpApi, send_error
 from gateway.api.status import ServerState
 from gateway.api.waiter import Waiter
 from gateway.cluster.background import Remote, latest_response
@@ -35,7 +34,6 @@ from gateway.cluster.persistence import Persistence
 from gateway.config import GatewayConfig
 from gateway.observability import Record
 from gateway.session_table import SessionTable
-from gateway.tenants import retry_after_header
 from gateway.transport.http1 import HttpReply, HttpRequest
 from gateway.transport.router import Router
 from gateway.transport.sse import SseWire
@@ -48,16 +46,11 @@ from sessions.responses.dialect import ResponsesDialect, ResponsesFraming
 
 log = logging.getLogger(__name__)
 
-SSE_HEADERS = (
-    ("Content-Type", "text/event-stream; charset=utf-8"),
-    ("Cache-Control", "no-cache"),
-    ("X-Accel-Buffering", "no"),  # nginx: pass each event on at once
-)
 BACKGROUND_REPLAY_BYTES = 4 << 20  # a background response's events, for starting_after
 
 
-class ResponsesHttp:
-    """The routes (see the module docstring); ``register`` puts them on a router."""
+class ResponsesHttp(HttpApi):
+    """The routes (see the module docstring)."""
 
     def __init__(
         self,
@@ -68,10 +61,7 @@ class ResponsesHttp:
         response_store: ResponseStore,
         persistence: Persistence | None = None,
     ) -> None:
-        self._config = config
-        self._state = state
-        self._table = table
-        self._admission = admission
+        super().__init__(config, state, table, admission)
         self.response_store = response_store
         self._persistence = persistence
         self.background = BackgroundResponses(
@@ -93,13 +83,13 @@ class ResponsesHttp:
     # -- POST /v1/responses ------------------------------------------------------------
 
     async def create(self, request: HttpRequest, reply: HttpReply) -> None:
-        tenant = self._tenant(request, reply)
+        tenant = self.admitted(request, reply)
         if tenant is None:
             return
         try:
             body = await self._read_body(request, tenant)
         except errors.ProtocolError as err:
-            _error(reply, err)
+            send_error(reply, err)
             return
         waiter = Waiter()
         dialect = ResponsesDialect(self.response_store, waiter)
@@ -120,7 +110,7 @@ class ResponsesHttp:
             started = await waiter.start
         except errors.ProtocolError as err:
             session.close("disconnected")
-            _error(reply, err)
+            send_error(reply, err)
             return
         if body.background:
             await self.background.keep(started["id"], session, dialect, waiter)
@@ -139,14 +129,7 @@ class ResponsesHttp:
                 session.close("disconnected")  # a no-op once it has ended
 
     async def _read_body(self, request: HttpRequest, tenant: str) -> rp.CreateBody:
-        try:
-            obj = orjson.loads(request.body)
-        except orjson.JSONDecodeError as exc:
-            raise errors.ProtocolError(
-                "invalid_json", f"The body is not valid JSON: {exc}."
-            ) from None
-        if not isinstance(obj, dict):
-            raise errors.ProtocolError("invalid_value", "The body must be a JSON object.")
+        obj = codec.json_body(request.body)
         if "stream_id" in obj:
             raise errors.ProtocolError(
                 "unknown_parameter",
@@ -183,7 +166,7 @@ class ResponsesHttp:
         ``origin``: a GET picking a background response up (its answer says so)."""
         code = session.can_resume(session.resume_token, after)
         if code is not None:
-            _error(reply, _not_kept(code))
+            send_error(reply, _not_kept(code))
             return
         # The head goes first: attaching the wire writes what is pending at once (with
         # the head, in one write). A background response's events wait for the session
@@ -211,7 +194,7 @@ class ResponsesHttp:
     # -- the routes of one response ------------------------------------------------------
 
     async def retrieve(self, request: HttpRequest, reply: HttpReply) -> None:
-        tenant = self._tenant(request, reply, engine=False)
+        tenant = self.admitted(request, reply, engine=False)
         if tenant is None:
             return
         response_id = request.params["id"]
@@ -222,7 +205,7 @@ class ResponsesHttp:
                 return
             after = request.arg("starting_after", "-1") or "-1"
             if not after.lstrip("-").isdigit() or int(after) < -1:
-                _error(
+                send_error(
                     reply,
                     errors.ProtocolError(
                         "invalid_value",
@@ -256,7 +239,7 @@ class ResponsesHttp:
         reply.send_json(200, body)
 
     async def cancel(self, request: HttpRequest, reply: HttpReply) -> None:
-        tenant = self._tenant(request, reply, engine=False)
+        tenant = self.admitted(request, reply, engine=False)
         if tenant is None:
             return
         response_id = request.params["id"]
@@ -275,7 +258,7 @@ class ResponsesHttp:
             if stored is None:
                 _not_found(reply, response_id)
             elif not stored.body.get("background"):
-                _error(
+                send_error(
                     reply,
                     errors.ProtocolError(
                         "invalid_value", "Only background responses can be cancelled."
@@ -289,7 +272,7 @@ class ResponsesHttp:
         reply.send_json(200, await asyncio.shield(live.waiter.end))
 
     async def delete(self, request: HttpRequest, reply: HttpReply) -> None:
-        tenant = self._tenant(request, reply, engine=False)
+        tenant = self.admitted(request, reply, engine=False)
         if tenant is None:
             return
         response_id = request.params["id"]
@@ -309,7 +292,7 @@ class ResponsesHttp:
         reply.send_json(200, {"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def input_items(self, request: HttpRequest, reply: HttpReply) -> None:
-        tenant = self._tenant(request, reply, engine=False)
+        tenant = self.admitted(request, reply, engine=False)
         if tenant is None:
             return
         response_id = request.params["id"]
@@ -320,7 +303,7 @@ class ResponsesHttp:
         items = [_item_json(i) for i in stored.input_items]
         order = request.arg("order", "desc")
         if order not in ("asc", "desc"):
-            _error(
+            send_error(
                 reply,
                 errors.ProtocolError("invalid_value", "'order' is asc or desc.", param="order"),
             )
@@ -334,7 +317,7 @@ class ResponsesHttp:
         limit_text = request.arg("limit", "20") or "20"
         limit = int(limit_text) if limit_text.isdigit() else 0
         if not 1 <= limit <= 100:
-            _error(
+            send_error(
                 reply, errors.ProtocolError("invalid_value", "'limit' is 1 to 100.", param="limit")
             )
             return
@@ -351,18 +334,6 @@ class ResponsesHttp:
         )
 
     # -- internals -----------------------------------------------------------------------
-
-    def _tenant(self, request: HttpRequest, reply: HttpReply, *, engine: bool = True) -> str | None:
-        """The request's tenant, or None once it is answered as not to be served
-        (credentials, Origin, load)."""
-        refused = self._admission.refuse_http(
-            request.headers, ready=self._state.ready, need_engine=engine
-        )
-        if refused is None:
-            return self._admission.tenant(request.headers, Entry.HTTP)
-        err = errors.ProtocolError(refused.code, refused.message, error_type=refused.error_type)
-        reply.send_json(refused.status, _error_body(err), refused.headers)
-        return None
 
     async def _find(self, response_id: str, tenant: str) -> StoredResponse | None:
         """``tenant``'s finished response: the store's (this process's, else the session
@@ -383,7 +354,7 @@ class ResponsesHttp:
         """SSE of a response another process holds, from its log; if that process goes
         meanwhile, the response is taken over here and the same stream goes on."""
         if self.background.gap(remote, after):
-            _error(reply, _not_kept("resume_gap"))
+            send_error(reply, _not_kept("resume_gap"))
             return
         reply.start(200, SSE_HEADERS)
         # Held for the store like a local stream: after a takeover the session writes here.
@@ -394,30 +365,12 @@ class ResponsesHttp:
             await self._follow(live.session, wire, keep=True)
 
 
-def _error_body(err: errors.ProtocolError) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": err.message,
-            "type": err.error_type,
-            "param": err.param,
-            "code": err.code,
-        }
-    }
-
-
 def _not_kept(code: str) -> errors.ProtocolError:
     return errors.ProtocolError(
         code,
         "Those events are no longer kept: retrieve the response without stream.",
         param="starting_after",
     )
-
-
-def _error(reply: HttpReply, err: errors.ProtocolError) -> None:
-    status = codec.http_status(err)
-    wait = retry_after_header(err.retry_after or 1.0)
-    headers = {"Retry-After": wait} if status in (429, 503) else None
-    reply.send_json(status, _error_body(err), headers)
 
 
 def _not_found(reply: HttpReply, response_id: str, *, stream: bool = False) -> None:
@@ -427,7 +380,7 @@ def _not_found(reply: HttpReply, response_id: str, *, stream: bool = False) -> N
         if stream
         else f"Response with id '{response_id}' not found."
     )
-    reply.send_json(404, _error_body(errors.ProtocolError("response_not_found", message)))
+    reply.send_json(404, codec.error_json(errors.ProtocolError("response_not_found", message)))
 
 
 def _item_json(item: Item) -> codec.JSON:

@@ -13,6 +13,7 @@ from gateway.api.admission import Admission, Entry, bearer
 from gateway.api.chat_http import ChatCompletionsHttp
 from gateway.api.completions_http import CompletionsHttp
 from gateway.api.embeddings_http import EmbeddingsHttp
+from gateway.api.http_api import HttpApi
 from gateway.api.not_served import not_allowed, not_found
 from gateway.api.responses_http import ResponsesHttp
 from gateway.api.status import ServerState
@@ -63,20 +64,8 @@ def router(
     return router
 
 
-class _Routes:
+class _Routes(HttpApi):
     """The routes that read the gateway's state."""
-
-    def __init__(
-        self,
-        config: GatewayConfig,
-        state: ServerState,
-        table: SessionTable,
-        admission: Admission,
-    ) -> None:
-        self._config = config
-        self._state = state
-        self._table = table
-        self._admission = admission
 
     async def healthz(self, request: HttpRequest, reply: HttpReply) -> None:
         # Where this client reaches each endpoint, in the scheme this port speaks.

@@ -27,13 +27,10 @@ from gateway.engines.base import (
     StreamEvent,
     TextDelta,
     ToolCallDelta,
+    freeform_input,
 )
 
 CODE = "upstream_unconstrained"
-
-
-def needed(request: GenerationRequest) -> bool:
-    return request.constraint is not None or request.enforces_tools
 
 
 async def checked(
@@ -82,7 +79,7 @@ def _violation(
         if tool is None or (choice not in TOOL_CHOICE_MODES and name != choice):
             return f"calls '{name}', which it was not offered"
         if tool.freeform and tool.grammar is not None:
-            if not _matches(tool.grammar, _input(arguments)):
+            if not _matches(tool.grammar, freeform_input(arguments)):
                 return f"gives the custom tool '{name}' input its grammar does not accept"
         elif tool.strict:
             schema = Constraint("json_schema", json.dumps(dict(tool.parameters)), name)
@@ -97,12 +94,3 @@ def _matches(constraint: Constraint, text: str) -> bool:
     if constraint.kind in ("json_object", "json_schema"):
         text = text.strip()  # a JSON text may come with blank lines around it
     return grammars.accepts(grammars.grammar(constraint, lenient=True), text)
-
-
-def _input(arguments: str) -> str:
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return arguments
-    found = value.get("input") if isinstance(value, dict) else None
-    return found if isinstance(found, str) else arguments

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -113,6 +114,17 @@ class Tool:
     grammar: Constraint | None = None
 
 
+def freeform_input(arguments: str) -> str:
+    """A custom (``freeform``) tool call's input: the ``input`` of its whole arguments, or
+    the arguments themselves when the model wrote something else."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    found = value.get("input") if isinstance(value, dict) else None
+    return found if isinstance(found, str) else arguments
+
+
 ToolChoice = Literal["auto", "none", "required"] | str
 """``auto``, ``none``, ``required``, or the name of the one function the model must call."""
 
@@ -156,7 +168,7 @@ class GenerationRequest:
     tool_choice: ToolChoice = "auto"
     # The answer so far, sent by a gateway that has since stopped (a takeover: see
     # sessions/snapshot.py): the engine continues it, its deltas are only what follows.
-    # Only engines whose ``can_continue`` is true are given one.
+    # Only an engine whose ``continues`` says so is given one.
     continuation: str = ""
     # The token ids that text was generated from, where the engine reported them
     # (TextDelta.token_ids: TensorRT-LLM), so that it continues from exactly those tokens.
@@ -185,6 +197,11 @@ class GenerationRequest:
         return self.tool_choice != "auto" or any(
             t.strict or t.grammar is not None for t in self.tools
         )
+
+    @property
+    def asks_structure(self) -> bool:
+        """Whether the answer must be constrained: a response format, or enforced tools."""
+        return self.constraint is not None or self.enforces_tools
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,12 +446,19 @@ class Engine(abc.ABC):
                 f"The {self.name} engine does not report the prompt's log probabilities."
             )
 
+    def continues(self, request: GenerationRequest) -> bool:
+        """Whether this engine can go on with ``request``'s answer from the text a stopped
+        gateway sent (GenerationRequest.continuation). Never one generated under a grammar:
+        the engine's grammar would start again after that text, and the answer, spliced,
+        would not hold to it (``{"a": {"a": 1}``)."""
+        return self.can_continue and not request.asks_structure
+
     def check_structure(self, request: GenerationRequest) -> None:
         """Refuse the structure ``request`` asks for (a response format, an enforced tool
         call, a custom tool's grammar) that the engine cannot constrain: an engine must
         refuse, never answer unconstrained. Engines that constrain override it and compile
         what they will be given here (cached by content). This default constrains nothing."""
-        if request.constraint is not None or request.enforces_tools:
+        if request.asks_structure:
             raise InvalidRequestError(
                 "structured_output_unsupported",
                 f"the {self.name} engine cannot constrain its output (a response format, "

@@ -515,6 +515,14 @@ class LlamaCppEngine(Engine):
         compile is a 400 here, since llama.cpp would sample unconstrained text."""
         self._plan(request)
 
+    def continues(self, request: GenerationRequest) -> bool:
+        """Not under a grammar (see Engine.continues): here also a request's tools that the
+        chat template cannot render, which go in the gateway's format under one."""
+        try:
+            return self.can_continue and self._plan(request).grammar is None
+        except InvalidRequestError:
+            return False
+
     def _plan(self, request: GenerationRequest) -> Plan:
         return plan(request, template_renders_tools=self.template_renders_tools)
 

@@ -20,7 +20,9 @@ are a valid instance of the tool's parameters whose strings are that message (so
 tool of one ``text`` parameter gets ``{"text": <that message>}``); a custom tool's input
 is the message, or, under a grammar, a text the grammar accepts. After a tool's output
 the answer quotes that output verbatim. An answer under a response format is a valid
-instance of its schema (gateway/engines/instances.py), its strings the answer's words.
+instance of its schema (gateway/engines/instances.py), its strings the answer's words;
+like every engine's, it is not continued after a takeover (``Engine.continues``), though
+the sim could: tests see what a real engine does.
 
 It reports log probabilities when asked, deterministic ones so that tests can check
 them (:func:`token_logprob`, :func:`prompt_logprobs`): a token's depends on its

@@ -33,10 +33,7 @@ def plan(request: GenerationRequest, *, template_renders_tools: bool) -> Plan:
     """The plan for ``request``; raises ``GrammarError`` (a 400) if a grammar does not
     compile."""
     if request.tools:
-        native = template_renders_tools and not (
-            request.enforces_tools or request.constraint is not None
-        )
-        if native:
+        if template_renders_tools and not request.asks_structure:
             return Plan(request.messages, native_tools=True)
         text = tool_format.check(request)
         messages = tool_format.with_instructions(

@@ -835,6 +835,14 @@ class TrtllmEngine(StreamingEngine):
         if self._llm is not None:
             self._guided(request)
 
+    def continues(self, request: GenerationRequest) -> bool:
+        """Not under guided decoding (see Engine.continues): here also a request's tools
+        that the chat template cannot render, which go in the gateway's format under it."""
+        try:
+            return self.can_continue and self._llm is not None and not self._guided(request).guide
+        except InvalidRequestError:
+            return False
+
     def _guided(self, request: GenerationRequest) -> Guided:
         return guided(
             request,

@@ -368,7 +368,7 @@ class UpstreamEngine(StreamingEngine):
 
     def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
         answer = self._answer(request)
-        return answer_check.checked(request, answer) if answer_check.needed(request) else answer
+        return answer_check.checked(request, answer) if request.asks_structure else answer
 
     async def _answer(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
         """One answer on the pool: retried on another replica when one fails before its
@@ -460,9 +460,12 @@ class UpstreamEngine(StreamingEngine):
 
     @staticmethod
     def _continues(replica: Replica, request: GenerationRequest) -> bool:
-        """Whether ``replica`` can go on with ``request``'s answer so far: any replica for
-        a text prompt (the prompt and the text so far are one longer prompt), none for
-        token ids, and for a conversation one that continues a final assistant message."""
+        """Whether ``replica`` can go on with ``request``'s answer so far: none for an
+        answer under a constraint (see Engine.continues), any replica for a text prompt (the
+        prompt and the text so far are one longer prompt), none for token ids, and for a
+        conversation one that continues a final assistant message."""
+        if request.asks_structure:
+            return False
         if request.prompt is not None:
             return isinstance(request.prompt, str)
         return replica.continuation != "none"

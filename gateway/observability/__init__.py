@@ -12,8 +12,9 @@ Who calls what (each part tells the :class:`Observability` of its process):
 - the session core for each answer (sessions/observed.py): :meth:`answer` as it is
   admitted, :meth:`release` as it ends; and :meth:`refusal` for what a session refused.
 
-An answer on an HTTP request is written on that request's line (and span); an answer on a
-socket, or one that outlives its request (``background: true``), has its own. This layer
+An answer on an HTTP request is written on that request's line (and span), all of its
+choices (``n``) on the one line, their figures added up; an answer on a socket, or one
+that outlives its request (``background: true``), has its own. This layer
 imports nothing of the gateway's but the metrics: every layer may call it.
 """
 
@@ -157,15 +158,15 @@ class Observability:
         own: bool = False,
     ) -> Record:
         """The record of an answer admitted now: its HTTP request's own (held till the
-        answer ends too), or, on a socket or past its request, one of its own (``own``). A
-        takeover gives the ``parent`` and the span (``link``) of the answer it continues."""
+        answer ends too; each of a request's ``n`` choices holds it, and is written on its
+        line), or, on a socket or past its request, one of its own (``own``). A takeover
+        gives the ``parent`` and the span (``link``) of the answer it continues."""
         if (
             not own
             and origin is not None
             and origin.kind == "http"
             and origin.open
             and not origin.background
-            and origin.response_id is None
         ):
             origin.hold()
             return origin

@@ -20,6 +20,8 @@ from gateway.observability.trace_context import TraceContext
 
 Kind = Literal["http", "answer", "connection", "refusal"]
 
+# An answer's statuses, the worse higher: a request's line says the worst of its choices'.
+_WORSE = {"completed": 1, "incomplete": 2, "cancelled": 3, "failed": 4}
 MAX_CLIENT_REQUEST_ID = 512  # OpenAI's limit for X-Client-Request-Id
 _CLIENT_ID = re.compile(r"[\x20-\x7e]{1,512}")  # printable ASCII: no line break, no control
 
@@ -184,9 +186,11 @@ class Record:
 
     def answered(self, status: str) -> None:
         """Its answer ended with ``status`` (completed, incomplete, cancelled, failed): the
-        line's status on a socket, ``response_status`` beside an HTTP request's own."""
+        line's status on a socket, ``response_status`` beside an HTTP request's own. Of
+        several answers (a request's choices), the worst is kept."""
         if self.kind == "http":
-            self.response_status = status
+            if _WORSE.get(status, 0) >= _WORSE.get(self.response_status or "", 0):
+                self.response_status = status
         else:
             self.status = status
 

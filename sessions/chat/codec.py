@@ -15,8 +15,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from gateway.engines.base import (
     MAX_TOP_LOGPROBS,
     TOOL_CHOICE_MODES,
@@ -26,26 +24,25 @@ from gateway.engines.base import (
     Tool,
     ToolCall,
     ToolChoice,
-    Usage,
 )
 from sessions import formats
 from sessions.codec import (
     JSON,
     MAX_ID_CHARS,
     MAX_TOOLS,
-    PENALTY_RANGE,
     PROMPT_CACHE_KEY,
     TOOL_NAME,
     UNSET,
     Reader,
     Unset,
     function_tool,
+    json_body,
+    read_completion_fields,
     read_metadata,
 )
 from sessions.errors import ProtocolError
 
 MAX_MESSAGES = 4096
-MAX_N = 128  # OpenAI's bound; --max-choices is the gateway's own
 
 SERVED = frozenset(
     {
@@ -148,55 +145,24 @@ def _unsupported(r: Reader, key: str, message: str) -> ProtocolError:
 
 def decode(frame: str | bytes) -> ChatCreate:
     """A request body (JSON) as the session's command. Raises :class:`ProtocolError`."""
-    try:
-        obj = orjson.loads(frame)
-    except orjson.JSONDecodeError as exc:
-        raise ProtocolError("invalid_json", f"The body is not valid JSON: {exc}.") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError("invalid_value", "The body must be a JSON object.")
-    return ChatCreate(read_body(obj))
+    return ChatCreate(read_body(json_body(frame)))
 
 
 def read_body(obj: Mapping[str, Any]) -> ChatBody:
     r = Reader(obj, "", None)
     r.only(_FIELDS)
     _refuse_what_is_not_served(r)
-    fields: dict[str, Any] = {}
     r.required("messages")
-    fields["messages"] = _messages(r)
-    if obj.get("model") is not None:
-        fields["model"] = r.string("model", max_chars=256)
-    if obj.get("stream") is not None:
-        fields["stream"] = _boolean(r, "stream")
-    if obj.get("stream_options") is not None:
-        options = r.child("stream_options")
-        options.only(frozenset({"include_usage", "include_obfuscation"}))
-        if options.obj.get("include_usage") is not None:
-            fields["include_usage"] = _boolean(options, "include_usage")
-        if options.obj.get("include_obfuscation") is not None:
-            _boolean(options, "include_obfuscation")  # no obfuscation: nothing to pad
+    fields: dict[str, Any] = {"messages": _messages(r), **read_completion_fields(r)}
     for key in ("max_completion_tokens", "max_tokens"):  # the newer name wins
         if obj.get(key) is not None and "max_output_tokens" not in fields:
             fields["max_output_tokens"] = r.integer(key, 1, 1_000_000)
-    if r.has("temperature"):
-        fields["temperature"] = r.number("temperature", 0.0, 2.0)
-    if r.has("top_p"):
-        fields["top_p"] = r.number("top_p", 0.0, 1.0)
-    for penalty in ("frequency_penalty", "presence_penalty"):
-        if r.has(penalty):
-            fields[penalty] = r.number(penalty, *PENALTY_RANGE)
-    if r.has("seed"):
-        fields["seed"] = r.integer("seed", 0, 2**64 - 1)
-    if obj.get("n") is not None:
-        fields["n"] = r.integer("n", 1, MAX_N)  # and at most --max-choices (the dialect's)
-    if r.has("stop"):
-        fields["stop"] = r.stop("stop")
     if obj.get("tools") is not None:
         fields["tools"] = _tools(r)
     if obj.get("tool_choice") is not None:
         fields["tool_choice"] = _tool_choice(r, fields.get("tools", ()))
     if obj.get("parallel_tool_calls") is not None:
-        fields["parallel_tool_calls"] = _boolean(r, "parallel_tool_calls")
+        fields["parallel_tool_calls"] = r.boolean("parallel_tool_calls")
     if obj.get("response_format") is not None:
         fmt = formats.read_format(r.child("response_format"), nested=True)
         fields["constraint"] = formats.constraint(fmt) if fmt is not None else None
@@ -214,7 +180,7 @@ def read_body(obj: Mapping[str, Any]) -> ChatBody:
 def read_logprobs(r: Reader) -> int | None:
     """``logprobs`` (a boolean) and ``top_logprobs`` (0-20, only with ``logprobs: true``,
     as OpenAI has it): how many alternatives each token comes with, or None for none."""
-    asked = r.obj.get("logprobs") is not None and _boolean(r, "logprobs")
+    asked = bool(r.optional_boolean("logprobs"))
     top = r.obj.get("top_logprobs")
     if top is None:
         return 0 if asked else None
@@ -242,13 +208,6 @@ def read_logprobs(r: Reader) -> int | None:
             "The 'top_logprobs' parameter is only allowed when 'logprobs' is enabled.",
         )
     return top
-
-
-def _boolean(r: Reader, key: str) -> bool:
-    value = r.obj[key]
-    if not isinstance(value, bool):
-        raise r.fail(key, f"'{r.param(key)}' must be a boolean.", "invalid_type")
-    return value
 
 
 def _refuse_what_is_not_served(r: Reader) -> None:
@@ -389,15 +348,6 @@ def _tool_choice(r: Reader, tools: tuple[Tool, ...]) -> ToolChoice:
 
 
 # -- what the gateway sends -------------------------------------------------------------
-
-
-def usage_json(usage: Usage) -> JSON:
-    return {
-        "prompt_tokens": usage.input_tokens,
-        "completion_tokens": usage.output_tokens,
-        "total_tokens": usage.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
 
 
 def chunk_json(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import orjson
 
@@ -29,14 +28,12 @@ from sessions.chat import codec as cc
 from sessions.choices import (
     ChoiceFraming,
     Choices,
-    OneRequest,
+    OneRequestDialect,
     RequestObserver,
     check_choices,
-    error_json,
-    failed_error,
 )
-from sessions.core import CallState, ResponseSpec, ResponseState, Session
-from sessions.errors import ProtocolError
+from sessions.codec import chosen
+from sessions.core import CallState, ResponseSpec, ResponseState
 
 _DELTA = b'%b,"delta":{"content":%b},"logprobs":null,"finish_reason":null}]}'
 _DELTA_LOGPROBS = b'%b,"delta":{"content":%b},"logprobs":%b,"finish_reason":null}]}'
@@ -49,39 +46,14 @@ def chat_framing() -> ChoiceFraming:
     )
 
 
-class ChatDialect(OneRequest):
+class ChatDialect(OneRequestDialect[cc.ChatBody]):
     name = "chat"
+    command = cc.ChatCreate
     decode = staticmethod(cc.decode)
 
     def __init__(self, framing: ChoiceFraming, observer: RequestObserver | None = None) -> None:
-        self.framing = framing
-        self.observer = observer
-        self._core: Session | None = None
-        self._choices: Choices | None = None
-        self._body: cc.ChatBody | None = None
-        self._head: codec.JSON = {}
+        super().__init__(framing, observer)
         self._calls: dict[str, int] = {}  # a call's item id -> its index in tool_calls
-        self._started = False
-
-    @property
-    def core(self) -> Session:
-        assert self._core is not None
-        return self._core
-
-    @property
-    def choices(self) -> Choices:
-        assert self._choices is not None
-        return self._choices
-
-    def attach(self, core: Session, greet: bool) -> None:
-        self._core = core
-
-    def handle(self, command: object) -> None:
-        if not isinstance(command, cc.ChatCreate):
-            raise ProtocolError("invalid_event", "A chat session takes one request.")
-        if self._body is not None:
-            raise ProtocolError("invalid_event", "A chat session answers one request.")
-        self._start(command.body)
 
     def _start(self, body: cc.ChatBody) -> None:
         core, c = self.core, self.core.config
@@ -90,10 +62,6 @@ class ChatDialect(OneRequest):
         messages = body.messages
         if not body.has_system and c.instructions:
             messages = (Message("system", c.instructions), *messages)
-
-        def chosen(value: Any, default: Any) -> Any:
-            return default if value == codec.UNSET else value
-
         sampling = SamplingParams(
             max_output_tokens=chosen(body.max_output_tokens, c.max_output_tokens),
             temperature=chosen(body.temperature, c.temperature),
@@ -104,7 +72,6 @@ class ChatDialect(OneRequest):
             presence_penalty=chosen(body.presence_penalty, c.presence_penalty),
             logprobs=body.logprobs,
         )
-        self._body = body
         self._head = {
             "id": f"chatcmpl-{codec.random_hex(12)}",
             "object": "chat.completion.chunk",
@@ -125,7 +92,7 @@ class ChatDialect(OneRequest):
             model=body.model or "",
         )
         self._choices = Choices(core, self.framing)
-        self._choices.start([spec] * body.n, self._head["id"])
+        self._choices.start([spec], body.n, self._head["id"])
 
     def _put(
         self,
@@ -134,30 +101,14 @@ class ChatDialect(OneRequest):
         finish_reason: str | None = None,
         logprobs: Sequence[TokenLogprob] | None = None,
     ) -> None:
-        body = self._body
-        if body is not None and body.stream:
+        if self.body.stream:
             index = self.choices.index(r)
             chunk = cc.chunk_json(self._head, delta, finish_reason, logprobs, index)
             self.core.outbox.put(chunk)
 
-    def error(self, err: ProtocolError) -> None:
-        if not self._started:
-            if self.observer is not None:
-                self.observer.refused(err)
-            return
-        self._put_error(err)
-
-    def _put_error(self, err: ProtocolError) -> None:
-        if self._body is not None and self._body.stream:
-            self.core.outbox.put(error_json(err))
-
     # -- what the core reports ---------------------------------------------------------
 
-    def response_started(self, r: ResponseState) -> None:
-        if not self._started:
-            self._started = True
-            if self.observer is not None:
-                self.observer.started(self._head)
+    def _choice_started(self, r: ResponseState) -> None:
         self._put(r, {"role": "assistant", "content": ""})
 
     def text_opened(self, r: ResponseState) -> None:
@@ -181,20 +132,8 @@ class ChatDialect(OneRequest):
         index = self._calls[call.item_id]
         self._put(r, {"tool_calls": [{"index": index, "function": {"arguments": arguments}}]})
 
-    def response_ended(self, r: ResponseState, outcome: Outcome) -> None:
-        choices = self.choices
-        done = choices.end(r, outcome)
-        if done is None:
-            return
-        if outcome.status == "failed":
-            err = failed_error(outcome)
-            choices.fail()
-            self._put_error(err)
-            self._end(error_json(err))
-            return
+    def _choice_ended(self, r: ResponseState, outcome: Outcome) -> None:
         self._put(r, {}, self._finish_reason(r, outcome))
-        if choices.over:
-            self._complete()
 
     @staticmethod
     def _finish_reason(r: ResponseState, outcome: Outcome) -> str:
@@ -202,13 +141,8 @@ class ChatDialect(OneRequest):
             return "length"
         return "tool_calls" if r.calls else "stop"
 
-    def _complete(self) -> None:
-        """Every choice has ended: the usage chunk, and the ``chat.completion``."""
-        body = self._body
-        assert body is not None
-        usage = cc.usage_json(self.choices.usage())
-        if body.stream and body.include_usage:
-            self.core.outbox.put({**self._head, "choices": [], "usage": usage})
+    def _whole(self) -> codec.JSON:
+        """The ``chat.completion``."""
         choices = [
             {
                 "index": index,
@@ -217,12 +151,12 @@ class ChatDialect(OneRequest):
                 # The whole answer's log probabilities are for ``stream: false`` (the body
                 # the route answers with): a stream's client has them in its chunks.
                 "logprobs": None
-                if ended.outcome.logprobs is None or body.stream
+                if ended.outcome.logprobs is None or self.body.stream
                 else cc.logprobs_json(ended.outcome.logprobs),
             }
             for index, ended in sorted(self.choices.ended.items())
         ]
-        self._end({**self._head, "object": "chat.completion", "choices": choices, "usage": usage})
+        return {"object": "chat.completion", "choices": choices}
 
     def _message(self, r: ResponseState, outcome: Outcome) -> codec.JSON:
         message: codec.JSON = {
@@ -241,7 +175,3 @@ class ChatDialect(OneRequest):
                 for c in calls
             ]
         return message
-
-    def _end(self, body: codec.JSON) -> None:
-        if self.observer is not None:
-            self.observer.ended(body)

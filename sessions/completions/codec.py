@@ -16,16 +16,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
-from gateway.engines.base import MAX_TOP_LOGPROBS, Prompt, PromptLogprobs, TokenLogprob, Usage
-from sessions.chat.codec import MAX_N
-from sessions.codec import JSON, PENALTY_RANGE, UNSET, Reader, Unset
-from sessions.errors import ProtocolError
+from gateway.engines.base import MAX_TOP_LOGPROBS, Prompt, PromptLogprobs, TokenLogprob
+from sessions.codec import (
+    JSON,
+    MAX_CHOICES,
+    UNSET,
+    Reader,
+    Unset,
+    json_body,
+    read_completion_fields,
+)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) when a request sets none
 MAX_LOGPROBS = MAX_TOP_LOGPROBS  # alternatives per token (OpenAI's legacy limit: 5)
-MAX_PROMPTS = MAX_N  # prompts in one request (each at least one choice: --max-choices)
+MAX_PROMPTS = MAX_CHOICES  # prompts in one request (each at least one choice: --max-choices)
 
 SERVED = frozenset(
     {
@@ -92,13 +96,7 @@ class CompletionCreate:
 
 def decode(frame: str | bytes) -> CompletionCreate:
     """A request body (JSON) as the session's command. Raises :class:`ProtocolError`."""
-    try:
-        obj = orjson.loads(frame)
-    except orjson.JSONDecodeError as exc:
-        raise ProtocolError("invalid_json", f"The body is not valid JSON: {exc}.") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError("invalid_value", "The body must be a JSON object.")
-    return CompletionCreate(read_body(obj))
+    return CompletionCreate(read_body(json_body(frame)))
 
 
 def read_body(obj: Mapping[str, Any]) -> CompletionBody:
@@ -107,39 +105,15 @@ def read_body(obj: Mapping[str, Any]) -> CompletionBody:
     for key, message in REFUSED.items():
         if obj.get(key) not in (None, {}):
             raise r.fail(key, message, "unsupported_value")
-    fields: dict[str, Any] = {"prompts": _prompts(r)}
-    if obj.get("model") is not None:
-        fields["model"] = r.string("model", max_chars=256)
-    if obj.get("stream") is not None:
-        fields["stream"] = _boolean(r, "stream")
-    if obj.get("stream_options") is not None:
-        options = r.child("stream_options")
-        options.only(frozenset({"include_usage", "include_obfuscation"}))
-        if options.obj.get("include_usage") is not None:
-            fields["include_usage"] = _boolean(options, "include_usage")
-        if options.obj.get("include_obfuscation") is not None:
-            _boolean(options, "include_obfuscation")  # no obfuscation: nothing to pad
+    fields: dict[str, Any] = {"prompts": _prompts(r), **read_completion_fields(r)}
     if obj.get("echo") is not None:
-        fields["echo"] = _boolean(r, "echo")
+        fields["echo"] = r.boolean("echo")
     if obj.get("max_tokens") is not None:
         # 0 asks for the prompt alone, which only an echo returns.
         low = 0 if fields.get("echo") else 1
         fields["max_tokens"] = r.integer("max_tokens", low, 1_000_000)
-    if r.has("temperature"):
-        fields["temperature"] = r.number("temperature", 0.0, 2.0)
-    if r.has("top_p"):
-        fields["top_p"] = r.number("top_p", 0.0, 1.0)
-    for penalty in ("frequency_penalty", "presence_penalty"):
-        if r.has(penalty):
-            fields[penalty] = r.number(penalty, *PENALTY_RANGE)
-    if r.has("seed"):
-        fields["seed"] = r.integer("seed", 0, 2**64 - 1)
-    if r.has("stop"):
-        fields["stop"] = r.stop("stop")
-    if obj.get("n") is not None:
-        fields["n"] = r.integer("n", 1, MAX_N)
     if obj.get("best_of") is not None:
-        fields["best_of"] = r.integer("best_of", 1, MAX_N)
+        fields["best_of"] = r.integer("best_of", 1, MAX_CHOICES)
         if fields["best_of"] < fields.get("n", 1):
             raise r.fail("best_of", "'best_of' must be at least 'n'.")
     if obj.get("logprobs") is not None:
@@ -149,13 +123,6 @@ def read_body(obj: Mapping[str, Any]) -> CompletionBody:
     if obj.get("user") is not None:
         r.string("user", max_chars=256)
     return CompletionBody(**fields)
-
-
-def _boolean(r: Reader, key: str) -> bool:
-    value = r.obj[key]
-    if not isinstance(value, bool):
-        raise r.fail(key, f"'{r.param(key)}' must be a boolean.", "invalid_type")
-    return value
 
 
 def _prompts(r: Reader) -> tuple[Prompt, ...]:
@@ -203,15 +170,6 @@ def _text(r: Reader, text: str, index: int | None = None) -> str:
 
 
 # -- what the gateway sends -------------------------------------------------------------
-
-
-def usage_json(usage: Usage) -> JSON:
-    return {
-        "prompt_tokens": usage.input_tokens,
-        "completion_tokens": usage.output_tokens,
-        "total_tokens": usage.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
 
 
 def logprobs_json(logprobs: Sequence[TokenLogprob], offset: int = 0) -> JSON:

@@ -36,14 +36,13 @@ from sessions.choices import (
     ChoiceFraming,
     Choices,
     Ended,
-    OneRequest,
+    OneRequestDialect,
     RequestObserver,
     check_choices,
-    error_json,
-    failed_error,
 )
+from sessions.codec import chosen
 from sessions.completions import codec as kc
-from sessions.core import CallState, ResponseSpec, ResponseState, Session
+from sessions.core import CallState, ResponseSpec, ResponseState
 from sessions.errors import ProtocolError
 
 _TEXT = b'%b,"text":%b,"logprobs":null,"finish_reason":null}]}'
@@ -55,41 +54,15 @@ def completion_framing() -> ChoiceFraming:
     return ChoiceFraming(_TEXT, _TEXT_LOGPROBS, kc.logprobs_json)
 
 
-class CompletionsDialect(OneRequest):
+class CompletionsDialect(OneRequestDialect[kc.CompletionBody]):
     name = "completions"
+    command = kc.CompletionCreate
     decode = staticmethod(kc.decode)
 
     def __init__(self, framing: ChoiceFraming, observer: RequestObserver | None = None) -> None:
-        self.framing = framing
-        self.observer = observer
-        self._core: Session | None = None
-        self._choices: Choices | None = None
-        self._body: kc.CompletionBody | None = None
-        self._head: codec.JSON = {}
-        self._prompt_of: dict[int, int] = {}  # candidate -> its prompt's number
+        super().__init__(framing, observer)
         self._echo: dict[int, str] = {}  # candidate -> the prompt text its text starts with
         self._echo_logprobs: dict[int, codec.JSON] = {}  # ...and its legacy log probabilities
-        self._started = False
-
-    @property
-    def core(self) -> Session:
-        assert self._core is not None
-        return self._core
-
-    @property
-    def choices(self) -> Choices:
-        assert self._choices is not None
-        return self._choices
-
-    def attach(self, core: Session, greet: bool) -> None:
-        self._core = core
-
-    def handle(self, command: object) -> None:
-        if not isinstance(command, kc.CompletionCreate):
-            raise ProtocolError("invalid_event", "A completions session takes one request.")
-        if self._body is not None:
-            raise ProtocolError("invalid_event", "A completions session answers one request.")
-        self._start(command.body)
 
     def _start(self, body: kc.CompletionBody) -> None:
         core, c = self.core, self.core.config
@@ -98,9 +71,6 @@ class CompletionsDialect(OneRequest):
         count = len(body.prompts) * body.generated
         param = "prompt" if len(body.prompts) > 1 else "best_of" if body.best_of else "n"
         check_choices(param, count, core.limits.max_choices)
-
-        def chosen(value: Any, default: Any) -> Any:
-            return default if value == codec.UNSET else value
 
         # best_of ranks by log probability: the engine reports them even if the client
         # asked for none (which it then does not get).
@@ -115,7 +85,6 @@ class CompletionsDialect(OneRequest):
             presence_penalty=chosen(body.presence_penalty, c.presence_penalty),
             logprobs=0 if ranked and body.logprobs is None else body.logprobs,
         )
-        self._body = body
         self._head = {
             "id": f"cmpl-{codec.random_hex(12)}",
             "object": "text_completion",
@@ -139,27 +108,24 @@ class CompletionsDialect(OneRequest):
                 model=body.model or "",
                 operation="text_completion",  # the GenAI conventions' name for a raw prompt
             )
-            for _ in range(body.generated):
-                if body.echo and isinstance(prompt, str):
-                    self._echo[len(specs)] = prompt
-                self._prompt_of[len(specs)] = number
-                specs.append(spec)
+            if body.echo and isinstance(prompt, str):
+                for candidate in range(number * body.generated, (number + 1) * body.generated):
+                    self._echo[candidate] = prompt
+            specs.append(spec)
         self._choices = Choices(core, self.framing)
-        self._choices.start(specs, self._head["id"])
+        self._choices.start(specs, body.generated, self._head["id"])
 
     def _prompt_logprobs(self, prompt: Any) -> int | None:
         """What a prompt asks of the engine about its own tokens: an echo with
         ``logprobs`` shows theirs, and a token-id prompt's echo needs their text."""
-        body = self._body
-        assert body is not None
+        body = self.body
         if not body.echo or (body.logprobs is None and isinstance(prompt, str)):
             return None
         return body.logprobs or 0
 
     def _logprobs_param(self, prompt: Any) -> str:
         """The field a 400 names when the engine cannot report what a prompt asks."""
-        body = self._body
-        assert body is not None
+        body = self.body
         engine = self.core.scheduler.engine
         if self._prompt_logprobs(prompt) is not None and not engine.reports_prompt_logprobs:
             return "echo"
@@ -190,29 +156,13 @@ class CompletionsDialect(OneRequest):
         finish_reason: str | None = None,
         logprobs: codec.JSON | None = None,
     ) -> None:
-        body = self._body
-        if body is not None and body.stream:
+        if self.body.stream:
             choice = kc.choice_json(self.choices.index(r), text, finish_reason, logprobs)
             self.core.outbox.put({**self._head, "choices": [choice]})
 
-    def error(self, err: ProtocolError) -> None:
-        if not self._started:
-            if self.observer is not None:
-                self.observer.refused(err)
-            return
-        self._put_error(err)
-
-    def _put_error(self, err: ProtocolError) -> None:
-        if self._body is not None and self._body.stream:
-            self.core.outbox.put(error_json(err))
-
     # -- what the core reports ---------------------------------------------------------
 
-    def response_started(self, r: ResponseState) -> None:
-        if not self._started:
-            self._started = True
-            if self.observer is not None:
-                self.observer.started(self._head)
+    def _choice_started(self, r: ResponseState) -> None:
         index = self.choices.index(r)
         if r.spec.sampling.prompt_logprobs is None and (echoed := self._echo.get(index)):
             self._put(r, echoed)
@@ -221,8 +171,7 @@ class CompletionsDialect(OneRequest):
     def prompt_logprobs(self, r: ResponseState, logprobs: PromptLogprobs) -> None:
         """The echoed prompt's tokens, before the first delta: its text (a token-id
         prompt's as the engine decodes it) and, if asked, its legacy log probabilities."""
-        body = self._body
-        assert body is not None
+        body = self.body
         index = self.choices.index(r)
         text = self._echo.get(index)
         if text is None:
@@ -248,50 +197,30 @@ class CompletionsDialect(OneRequest):
     def call_delta(self, r: ResponseState, call: CallState, arguments: str) -> None:
         """Never: a completion has no tools."""
 
-    def response_ended(self, r: ResponseState, outcome: Outcome) -> None:
-        choices = self.choices
-        done = choices.end(r, outcome)
-        if done is None:
-            return
-        if outcome.status == "failed":
-            err = failed_error(outcome)
-            choices.fail()
-            self._put_error(err)
-            self._end(error_json(err))
-            return
+    def _choice_ended(self, r: ResponseState, outcome: Outcome) -> None:
         self._put(r, "", _finish_reason(outcome))
-        if choices.over:
-            self._complete()
 
-    def _complete(self) -> None:
-        """Every choice has ended: the usage chunk, and the ``text_completion`` (of the
-        best ``n`` of each prompt's candidates, with ``best_of``)."""
-        body = self._body
-        assert body is not None
-        usage = kc.usage_json(self.choices.usage(self._prompt_of))
-        if body.stream and body.include_usage:
-            self.core.outbox.put({**self._head, "choices": [], "usage": usage})
-        choices = [
-            self._choice(index, ended) for index, ended in enumerate(self._kept(self.choices.ended))
-        ]
-        self._end({**self._head, "choices": choices, "usage": usage})
+    def _whole(self) -> codec.JSON:
+        """The ``text_completion``: of the best ``n`` of each prompt's candidates, with
+        ``best_of``."""
+        kept = self._kept(self.choices.ended)
+        return {"choices": [self._choice(index, ended) for index, ended in enumerate(kept)]}
 
     def _kept(self, ended: dict[int, Ended]) -> list[Ended]:
         """The returned choices, in order: each prompt's candidates, the best ``n`` of
         them by their tokens' mean log probability when there are more."""
-        body = self._body
-        assert body is not None
+        body = self.body
         kept: list[Ended] = []
         for number in range(len(body.prompts)):
-            candidates = [e for i, e in sorted(ended.items()) if self._prompt_of[i] == number]
+            first = number * body.generated  # a prompt's candidates are consecutive
+            candidates = [ended[i] for i in range(first, first + body.generated)]
             if len(candidates) > body.n:
                 candidates.sort(key=lambda e: -kc.mean_logprob(e.outcome.logprobs))
             kept += candidates[: body.n]
         return kept
 
     def _choice(self, index: int, ended: Ended) -> codec.JSON:
-        body = self._body
-        assert body is not None
+        body = self.body
         echoed = self._echo.get(ended.index, "")
         text, finish = echoed + ended.outcome.text, _finish_reason(ended.outcome)
         if body.logprobs is None:
@@ -300,10 +229,6 @@ class CompletionsDialect(OneRequest):
         parts = [self._echo_logprobs.get(ended.index), kc.logprobs_json(answer, len(echoed))]
         logprobs = kc.joined_logprobs([part for part in parts if part is not None])
         return kc.choice_json(index, text, finish, logprobs)
-
-    def _end(self, body: codec.JSON) -> None:
-        if self.observer is not None:
-            self.observer.ended(body)
 
 
 def _finish_reason(outcome: Outcome) -> str:

@@ -17,7 +17,6 @@ from gateway.engines.base import Role, Tool, ToolChoice, Usage
 from sessions.codec import (
     JSON,
     MAX_ID_CHARS,
-    PENALTY_RANGE,
     TOOL_NAME,
     UNSET,
     AnyItemSpec,
@@ -28,6 +27,7 @@ from sessions.codec import (
     Unset,
     read_frame,
     read_metadata,
+    read_sampling,
     read_tool_choice,
     read_tools,
 )
@@ -165,14 +165,7 @@ _SESSION_FIELDS = frozenset(
 
 def _sampling(r: Reader) -> dict[str, Any]:
     """The fields shared by ``session`` and ``response``: sampling, instructions, tools."""
-    out: dict[str, Any] = {}
-    if r.has("temperature"):
-        out["temperature"] = r.number("temperature", 0.0, 2.0)
-    if r.has("top_p"):
-        out["top_p"] = r.number("top_p", 0.0, 1.0)
-    for penalty in ("frequency_penalty", "presence_penalty"):
-        if r.has(penalty):
-            out[penalty] = r.number(penalty, *PENALTY_RANGE)
+    out: dict[str, Any] = dict(read_sampling(r))
     if r.has("seed"):
         # Unsigned 64-bit for every engine: TensorRT-LLM fails a request whose seed is not.
         out["seed"] = r.integer("seed", 0, 2**64 - 1)
@@ -188,12 +181,7 @@ def _sampling(r: Reader) -> dict[str, Any]:
         out["tools"] = read_tools(r)
     if r.has("tool_choice"):
         out["tool_choice"] = read_tool_choice(r)
-    if r.has("parallel_tool_calls") and not isinstance(r.obj["parallel_tool_calls"], bool | None):
-        raise r.fail(
-            "parallel_tool_calls",
-            f"'{r.param('parallel_tool_calls')}' must be a boolean.",
-            "invalid_type",
-        )
+    r.optional_boolean("parallel_tool_calls")
     return out
 
 

@@ -275,21 +275,18 @@ class RealtimeDialect:
         core = self.core
         c = core.config
 
-        def pick(value: Any, default: Any) -> Any:
-            return default if value == codec.UNSET else value
-
-        instructions: str = pick(params.instructions, c.instructions)
+        instructions: str = codec.chosen(params.instructions, c.instructions)
         sampling = SamplingParams(
-            max_output_tokens=pick(params.max_output_tokens, c.max_output_tokens),
-            temperature=pick(params.temperature, c.temperature),
-            top_p=pick(params.top_p, c.top_p),
-            seed=pick(params.seed, c.seed),
-            stop=pick(params.stop, c.stop),
-            frequency_penalty=pick(params.frequency_penalty, c.frequency_penalty),
-            presence_penalty=pick(params.presence_penalty, c.presence_penalty),
+            max_output_tokens=codec.chosen(params.max_output_tokens, c.max_output_tokens),
+            temperature=codec.chosen(params.temperature, c.temperature),
+            top_p=codec.chosen(params.top_p, c.top_p),
+            seed=codec.chosen(params.seed, c.seed),
+            stop=codec.chosen(params.stop, c.stop),
+            frequency_penalty=codec.chosen(params.frequency_penalty, c.frequency_penalty),
+            presence_penalty=codec.chosen(params.presence_penalty, c.presence_penalty),
         )
-        tools: tuple[Tool, ...] = pick(params.tools, c.tools)
-        tool_choice: ToolChoice = pick(params.tool_choice, c.tool_choice)
+        tools: tuple[Tool, ...] = codec.chosen(params.tools, c.tools)
+        tool_choice: ToolChoice = codec.chosen(params.tool_choice, c.tool_choice)
         where = "response" if params.tool_choice != codec.UNSET else "session"
         check_tool_choice(tools, tool_choice, where, event_id)
         if params.input is not None:

@@ -22,7 +22,6 @@ from sessions import formats
 from sessions.codec import (
     JSON,
     MAX_ID_CHARS,
-    PENALTY_RANGE,
     PROMPT_CACHE_KEY,
     UNSET,
     FunctionCallOutputSpec,
@@ -32,6 +31,7 @@ from sessions.codec import (
     Unset,
     read_frame,
     read_metadata,
+    read_sampling,
 )
 from sessions.errors import ProtocolError
 from sessions.responses import tools as rtools
@@ -185,20 +185,12 @@ def read_create(obj: Mapping[str, Any], allowed_extra: frozenset[str] = frozense
     if r.has("tool_choice"):
         fields["tool_choice"] = rtools.read_tool_choice(r, toolset)
     for key in ("parallel_tool_calls", "store", "generate", "stream", "background"):
-        if r.has(key) and obj[key] is not None:
-            if not isinstance(obj[key], bool):
-                raise r.fail(key, f"'{key}' must be a boolean.", "invalid_type")
-            fields[key] = obj[key]
+        if obj.get(key) is not None:
+            fields[key] = r.boolean(key)
     if r.has("max_output_tokens"):
         value = r.integer("max_output_tokens", 1, 1_000_000)
         fields["max_output_tokens"] = value
-    if r.has("temperature"):
-        fields["temperature"] = r.number("temperature", 0.0, 2.0)
-    if r.has("top_p"):
-        fields["top_p"] = r.number("top_p", 0.0, 1.0)
-    for penalty in ("frequency_penalty", "presence_penalty"):
-        if r.has(penalty):
-            fields[penalty] = r.number(penalty, *PENALTY_RANGE)
+    fields.update(read_sampling(r))
     if r.has("metadata"):
         fields["metadata"] = read_metadata(r)
     if r.has("previous_response_id") and obj["previous_response_id"] is not None:

@@ -365,26 +365,20 @@ class ResponsesDialect:
         for item in items:  # made just now, by input_items: theirs to name
             if not item.id:
                 item.id = core.free_item_id()
-        tools = c.tools if body.tools == codec.UNSET else body.tools
-        choice = c.tool_choice if body.tool_choice == codec.UNSET else body.tool_choice
+        tools = codec.chosen(body.tools, c.tools)
+        choice = codec.chosen(body.tool_choice, c.tool_choice)
         check_tool_choice(tools, choice, "", None)
         instructions = body.instructions if body.instructions is not None else c.instructions
         system = [Message("system", instructions)] if instructions else []
         messages = (*system, *items_to_messages([*history, *items]))
         sampling = SamplingParams(
-            max_output_tokens=c.max_output_tokens
-            if body.max_output_tokens == codec.UNSET
-            else body.max_output_tokens,
-            temperature=c.temperature if body.temperature == codec.UNSET else body.temperature,
-            top_p=c.top_p if body.top_p == codec.UNSET else body.top_p,
+            max_output_tokens=codec.chosen(body.max_output_tokens, c.max_output_tokens),
+            temperature=codec.chosen(body.temperature, c.temperature),
+            top_p=codec.chosen(body.top_p, c.top_p),
             seed=c.seed,
             stop=c.stop,
-            frequency_penalty=c.frequency_penalty
-            if body.frequency_penalty == codec.UNSET
-            else body.frequency_penalty,
-            presence_penalty=c.presence_penalty
-            if body.presence_penalty == codec.UNSET
-            else body.presence_penalty,
+            frequency_penalty=codec.chosen(body.frequency_penalty, c.frequency_penalty),
+            presence_penalty=codec.chosen(body.presence_penalty, c.presence_penalty),
             logprobs=body.logprobs,
         )
         turn = Turn(body, lane, history, items, int(time.time()), body.instructions, tools, choice)

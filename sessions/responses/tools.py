@@ -23,7 +23,6 @@ new type fails until it is placed:
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 
@@ -297,17 +296,6 @@ def tools_echo(tools: tuple[Tool, ...], mapped: tuple[Mapped, ...]) -> list[JSON
     return echoed
 
 
-def custom_input(arguments: str) -> str:
-    """A custom tool call's input: the ``input`` of its (whole) arguments, or the arguments
-    themselves when the model wrote something else."""
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return arguments
-    found = value.get("input") if isinstance(value, dict) else None
-    return found if isinstance(found, str) else arguments
-
-
 _INPUT_KEY = re.compile(r'\s*\{\s*"input"\s*:\s*"')
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 _MAX_OPENING = 64  # arguments that do not open with {"input": " within this: not streamed
@@ -362,7 +350,7 @@ class InputDecoder:
 
 def _escape(text: str, i: int) -> tuple[str, int]:
     """The escape at ``text[i]`` (a backslash): its text and length, or ("", 0) if it is
-    not whole yet (or not JSON: custom_input() gives the raw arguments at the end)."""
+    not whole yet (or not JSON: freeform_input() gives the raw arguments at the end)."""
     if i + 1 >= len(text):
         return "", 0
     kind = text[i + 1]

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from gateway.engines.base import TokenLogprob, Tool, ToolChoice
+from gateway.engines.base import TokenLogprob, Tool, ToolChoice, freeform_input
 from gateway.scheduler import Job, Outcome
 from sessions import codec, snapshot
 from sessions.conversation import Item
@@ -172,7 +172,7 @@ def call_json(turn: Turn, call: CallState, arguments: str, status: str) -> codec
             "type": "custom_tool_call",
             "call_id": call.call_id,
             "name": m.name,
-            "input": rtools.custom_input(arguments) if arguments else "",
+            "input": freeform_input(arguments) if arguments else "",
         }
     else:
         item = rp.function_call_json(call.item_id, call.call_id, call.name, arguments, status)

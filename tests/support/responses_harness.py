@@ -9,6 +9,7 @@ SDKs and the Agents SDK read the events with.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import typing
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,7 +20,9 @@ import pydantic
 from openai.types.responses import ResponsesServerEvent
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed
 
+from tests.support.gateway_processes import GatewayProcess
 from tests.support.turn import Turn
 from tests.test_conformance import extras
 
@@ -124,3 +127,28 @@ class ResponsesClient:
     async def error(self, timeout: float = TIMEOUT) -> dict[str, Any]:
         event = await self.recv_until("error", timeout)
         return event
+
+
+async def drained_mid_answer(
+    a: GatewayProcess, b: GatewayProcess, first: int, **create: Any
+) -> tuple[list[dict[str, Any]], Turn]:
+    """A response created on gateway ``a``, which drains (a deploy) once the client has read
+    ``first`` of its events; the client then resumes the session on ``b``. Returns the
+    events read from ``a`` and the rest of the response, from ``b``."""
+    async with ResponsesClient.connect(a.url("/v1/responses")) as c:
+        await c.create(**create)
+        seen = [await c.recv() for _ in range(first)]
+        a.terminate()
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                seen.append(await c.recv())
+        session, token = c.session_id, c.resume_token
+    assert await a.stop() == 0
+    assert seen[-1]["type"] not in TERMINAL, "it ended before the drain: too short"
+    headers = {
+        "x-session-id": session,
+        "x-resume-token": token,
+        "x-last-sequence-number": str(seen[-1]["sequence_number"]),
+    }
+    async with ResponsesClient.connect(b.url("/v1/responses"), additional_headers=headers) as r:
+        return seen, await r.collect()
