@@ -32,6 +32,10 @@ from urllib.parse import urlsplit
 
 MAX_HEAD_BYTES = 64 * 1024
 MAX_IDLE = 256  # connections kept per pool
+# A body's bytes received but not yet read; beyond, the connection stops reading until
+# its reader catches up (a replica cannot make the gateway hold more than this).
+MAX_UNREAD = 1024 * 1024
+_HEX = frozenset(b"0123456789abcdefABCDEF")
 
 
 class HttpError(Exception):
@@ -222,6 +226,8 @@ class _Connection(asyncio.Protocol):
         self._left = 0  # of a Content-Length body, or of the current chunk
         self._chunk_state = "size"  # chunked: "size", "data", "crlf" or "trailer"
         self._pieces: list[bytes] = []
+        self._unread = 0  # bytes in _pieces
+        self._paused = False  # reading paused: _unread is over MAX_UNREAD
         self._ended = False  # the body is whole
         self._keep = True  # the connection may serve another request
         self._timeout = 0.0
@@ -250,6 +256,9 @@ class _Connection(asyncio.Protocol):
         except HttpError as exc:
             self.abort(exc)
             return
+        if self._unread > MAX_UNREAD and not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
         self._wake()
 
     def eof_received(self) -> bool | None:
@@ -280,7 +289,7 @@ class _Connection(asyncio.Protocol):
             raise WriteError("the connection is closed")
         self._busy, self._received, self._method = True, False, method
         self._status, self._headers, self._framing = 0, None, ""
-        self._pieces, self._ended, self._keep = [], False, True
+        self._pieces, self._unread, self._ended, self._keep = [], 0, False, True
         self._buffer.clear()
         self._timeout = read_timeout
         self._last_data = self._loop.time()
@@ -299,7 +308,10 @@ class _Connection(asyncio.Protocol):
         while True:
             pieces = self._pieces
             if pieces:
-                self._pieces = []
+                self._pieces, self._unread = [], 0
+                if self._paused and self._transport is not None:
+                    self._paused = False
+                    self._transport.resume_reading()
                 return pieces[0] if len(pieces) == 1 else b"".join(pieces)
             if self._ended:
                 return None
@@ -323,7 +335,7 @@ class _Connection(asyncio.Protocol):
         busy, self._busy = self._busy, False
         if not busy:
             return
-        if self._ended and self._keep and not self._lost and not self._buffer:
+        if self._ended and self._keep and not self._lost and not self._buffer and not self._paused:
             self._served += 1
             self._pool._release(self)
         else:
@@ -374,6 +386,7 @@ class _Connection(asyncio.Protocol):
             if buffer:
                 take = min(self._left, len(buffer))
                 self._pieces.append(bytes(buffer[:take]))
+                self._unread += take
                 del buffer[:take]
                 self._left -= take
             if not self._left:
@@ -382,6 +395,7 @@ class _Connection(asyncio.Protocol):
                     raise RemoteProtocolError("more than the Content-Length")
         elif buffer:  # until the close
             self._pieces.append(bytes(buffer))
+            self._unread += len(buffer)
             buffer.clear()
 
     def _parse_head(self) -> bool:
@@ -418,7 +432,7 @@ class _Connection(asyncio.Protocol):
         elif "chunked" in headers.get("transfer-encoding", "").lower():
             self._framing = "chunked"
         elif (length := headers.get("content-length")) is not None:
-            if not length.isdigit():
+            if not (length.isascii() and length.isdigit()):
                 raise RemoteProtocolError(f"a bad Content-Length: {length[:20]!r}")
             self._framing, self._left = "length", int(length)
             self._ended = self._left == 0
@@ -434,6 +448,7 @@ class _Connection(asyncio.Protocol):
             if state == "data":
                 take = min(self._left, len(buffer))
                 pieces.append(bytes(buffer[:take]))
+                self._unread += take
                 del buffer[:take]
                 self._left -= take
                 if self._left:
@@ -462,11 +477,11 @@ class _Connection(asyncio.Protocol):
                             raise RemoteProtocolError("data after the chunked body")
                         return
                     continue
-                size_text = line.split(b";", 1)[0].strip()
-                try:
-                    size = int(size_text, 16)
-                except ValueError:
-                    raise RemoteProtocolError(f"a bad chunk size: {line[:20]!r}") from None
+                size_text = line.split(b";", 1)[0].strip(b" \t")
+                # Hex digits only: int() would also take a sign, "0x" and underscores.
+                if not size_text or len(size_text) > 16 or not _HEX.issuperset(size_text):
+                    raise RemoteProtocolError(f"a bad chunk size: {line[:20]!r}")
+                size = int(size_text, 16)
                 if size:
                     self._left, self._chunk_state = size, "data"
                 else:
