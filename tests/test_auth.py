@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from openai import AsyncOpenAI, AuthenticationError, BadRequestError
+from openai import AuthenticationError, BadRequestError
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect as sync_connect
 
@@ -219,7 +219,7 @@ async def test_an_expired_or_forged_secret_gets_401() -> None:
 
 async def test_the_openai_sdk_mints_a_secret_and_connects_with_it() -> None:
     async with running_gateway(SimEngine(step_ms=1, response_tokens=6), api_keys=("sk-1",)) as gw:
-        backend = AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key="sk-1")
+        backend = gw.openai("sk-1")
         created = await backend.realtime.client_secrets.create(
             expires_after={"anchor": "created_at", "seconds": 120},
             session={"type": "realtime", "model": "sim"},
@@ -230,7 +230,7 @@ async def test_the_openai_sdk_mints_a_secret_and_connects_with_it() -> None:
                 session={"type": "realtime", "instructions": "x"}
             )
 
-        browser = AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key=created.value)
+        browser = gw.openai(created.value)
         async with browser.realtime.connect(model="sim") as conn:
             await conn.response.create()
             async for event in conn:

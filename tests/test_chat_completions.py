@@ -66,7 +66,7 @@ def responses_url(gw: RunningGateway) -> str:
 
 
 def client(gw: RunningGateway) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key="k", max_retries=0)
+    return gw.openai()
 
 
 async def raw_post(gw: RunningGateway, body: dict[str, Any]) -> httpx.Response:

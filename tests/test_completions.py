@@ -59,7 +59,7 @@ async def gw() -> AsyncIterator[RunningGateway]:
 
 
 def client(gw: RunningGateway) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key="k", max_retries=0)
+    return gw.openai()
 
 
 async def post(gw: RunningGateway, body: dict[str, Any], path: str = "/v1/completions") -> Any:

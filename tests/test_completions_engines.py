@@ -39,7 +39,7 @@ async def post(gw: RunningGateway, body: dict[str, Any], path: str = "/v1/comple
 
 
 def client(gw: RunningGateway) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key="k", max_retries=0)
+    return gw.openai()
 
 
 @pytest.fixture

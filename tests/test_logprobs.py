@@ -52,7 +52,7 @@ async def gw() -> AsyncIterator[RunningGateway]:
 
 
 def client(gw: RunningGateway) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key="k", max_retries=0)
+    return gw.openai()
 
 
 def expected(tokens: list[str], top: int) -> list[dict[str, Any]]:

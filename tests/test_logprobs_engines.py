@@ -47,7 +47,7 @@ LOGPROBS = ["message.output_text.logprobs"]
 
 
 def client(gw: RunningGateway) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key="k", max_retries=0)
+    return gw.openai()
 
 
 def check_model_logprobs(content: list[Any], text: str, top: int) -> None:

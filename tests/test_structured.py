@@ -62,7 +62,7 @@ async def gw() -> AsyncIterator[RunningGateway]:
 
 
 def client(gw: RunningGateway) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key=KEY, max_retries=0)
+    return gw.openai(KEY)
 
 
 async def test_openai_python_parse_and_stream_on_both_apis(gw: RunningGateway) -> None:

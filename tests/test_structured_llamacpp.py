@@ -196,10 +196,6 @@ async def gw(engine: LlamaCppEngine) -> AsyncIterator[RunningGateway]:
         yield running
 
 
-def client(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-
 async def answer(c: openai.AsyncOpenAI, prompt: str, schema: dict[str, Any]) -> Any:
     reply = await c.chat.completions.create(
         model="m",
@@ -217,14 +213,14 @@ async def answer(c: openai.AsyncOpenAI, prompt: str, schema: dict[str, Any]) -> 
 
 async def test_every_answer_to_a_set_of_schemas_parses_and_validates(gw: RunningGateway) -> None:
     assert len(SCHEMAS) >= 20
-    c = client(gw.http_url)
+    c = gw.openai()
     values = await asyncio.gather(*(answer(c, prompt, schema) for prompt, schema in SCHEMAS))
     for (prompt, schema), value in zip(SCHEMAS, values, strict=True):
         jsonschema.validate(value, schema), prompt
 
 
 async def test_openai_python_parse_helpers_on_the_bundled_model(gw: RunningGateway) -> None:
-    c = client(gw.http_url)
+    c = gw.openai()
     ask: Any = [{"role": "user", "content": "Describe a French teacher."}]
 
     async def streamed() -> Any:
@@ -249,7 +245,7 @@ PROMPTS = ("What is the weather in Paris?", "Tell me a joke.")
 async def test_tool_choice_required_gives_a_valid_call_every_time(gw: RunningGateway) -> None:
     """SmolLM2's template cannot render tools: they reach the model in the gateway's own
     format, and the call is made under a grammar, whatever the prompt."""
-    c = client(gw.http_url)
+    c = gw.openai()
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
     async def call(prompt: str, choice: Any) -> tuple[str, Any]:
@@ -313,7 +309,7 @@ async def test_codex_apply_patch_grammar_gives_input_the_grammar_accepts(
     # As Codex does, the instructions show a patch. The bundled model's default
     # frequency_penalty (0.3, against loops in free text) also penalises a patch's
     # repeated structure (newlines, "***"): with it the model never ends its file name.
-    response = await client(gw.http_url).responses.create(
+    response = await gw.openai().responses.create(
         model="m",
         instructions=PATCH_INSTRUCTIONS,
         input="Create the file hello.txt with the line hello.",
@@ -352,7 +348,7 @@ async def test_a_grammar_llama_cpp_would_sample_past_is_a_400(
         "format": {"type": "grammar", "syntax": "lark", "definition": broken},
     }
     with pytest.raises(openai.BadRequestError) as info:
-        await client(gw.http_url).responses.create(
+        await gw.openai().responses.create(
             model="m", input="Patch it.", tools=[tool], tool_choice="required", stream=True
         )
     assert isinstance(info.value.body, dict) and info.value.body["code"] == "invalid_grammar"
@@ -362,7 +358,7 @@ async def test_a_formatted_answer_comes_with_each_tokens_logprob(gw: RunningGate
     """``logprobs`` beside a response format: the constrained answer's own tokens, each
     with its alternatives, joined the answer that validates."""
     schema = obj({"city": S, "country": S})
-    reply = await client(gw.http_url).chat.completions.create(
+    reply = await gw.openai().chat.completions.create(
         model="m",
         messages=[{"role": "user", "content": "Where is Paris?"}],
         response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}},
@@ -393,7 +389,7 @@ async def test_response_formats_through_an_upstream_pool_of_llama_cpp_servers() 
     server = await asyncio.to_thread(llama_server.start, slots=2)
     try:
         async with running_gateway(UpstreamEngine([server.url])) as gw:
-            c = client(gw.http_url)
+            c = gw.openai()
             values = await asyncio.gather(*(answer(c, p, s) for p, s in SCHEMAS[:4]))
             for (_, schema), value in zip(SCHEMAS[:4], values, strict=True):
                 jsonschema.validate(value, schema)

@@ -201,7 +201,14 @@ async def first_backend(lb: Balancer) -> str:
 
 @pytest.fixture
 def no_resource_warnings() -> Iterator[None]:
-    """Fails the test if a socket or transport was left to the garbage collector."""
+    """Fails the test if a socket or transport was left to the garbage collector by this test.
+
+    What earlier tests left is collected first, outside the record: otherwise their garbage,
+    collected whenever the collector happens to run, is blamed on whichever test comes next.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ResourceWarning)
         yield

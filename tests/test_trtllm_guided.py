@@ -107,7 +107,7 @@ async def test_without_a_backend_structure_is_refused_never_answered_unconstrain
 ) -> None:
     eng = engine_with("--guided-decoding-backend", "none")
     async with running_gateway(eng) as gw:
-        c = openai.AsyncOpenAI(base_url=f"{gw.http_url}/v1", api_key="x", max_retries=0)
+        c = gw.openai()
         with pytest.raises(openai.BadRequestError) as info:
             await c.chat.completions.create(
                 model="m",

@@ -9,9 +9,10 @@ import threading
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import openai
 import orjson
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
@@ -29,6 +30,14 @@ class RunningGateway:
     gateway: Gateway
     ws_url: str
     http_url: str
+    clients: list[openai.AsyncOpenAI] = field(default_factory=list)
+
+    def openai(self, api_key: str = "k") -> openai.AsyncOpenAI:
+        """An SDK client of this gateway, closed with it: a client left open leaves its
+        pooled sockets to the garbage collector, which then warns in whichever test runs."""
+        client = openai.AsyncOpenAI(base_url=f"{self.http_url}/v1", api_key=api_key, max_retries=0)
+        self.clients.append(client)
+        return client
 
     async def get(self, path: str) -> tuple[int, bytes]:
         """A plain HTTP GET, off the event loop (urllib blocks)."""
@@ -65,7 +74,12 @@ async def running_gateway(engine: Engine, **settings: Any) -> AsyncIterator[Runn
         await gateway.wait_ready()
         base = f"127.0.0.1:{gateway.port}"
         http, ws = gateway.scheme, gateway.scheme.replace("http", "ws")
-        yield RunningGateway(gateway, f"{ws}://{base}/v1/realtime", f"{http}://{base}")
+        running = RunningGateway(gateway, f"{ws}://{base}/v1/realtime", f"{http}://{base}")
+        try:
+            yield running
+        finally:
+            for client in running.clients:
+                await client.close()
     finally:
         await gateway.stop()
 

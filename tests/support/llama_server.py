@@ -81,6 +81,7 @@ class LlamaServer:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
         self.process.wait(timeout=10)
+        self._close_pipes()
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -90,6 +91,13 @@ class LlamaServer:
                 self.process.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.kill()
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        """Else the garbage collector closes them, warning in whichever test then runs."""
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None and not pipe.closed:
+                pipe.close()
 
 
 def start(
