@@ -80,6 +80,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.logprobs --rev 819b085
 	$(BIN)/python -m bench.tls
 	$(BIN)/python -m bench.store
+	$(BIN)/python -m bench.store_topologies
 	$(BIN)/python -m bench.tenants
 	$(BIN)/python -m bench.failover
 	$(BIN)/python -m bench.failover --replicas llamacpp

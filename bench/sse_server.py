@@ -7,14 +7,18 @@ own HTTP chunk), then a chunk with the finish reason, a usage chunk (as with
 ``stream_options.include_usage``) and ``data: [DONE]``; with ``stream: false``, one
 ``chat.completion`` at once (what a proxy passes a non-streaming request on as). Answers
 are the sim engine's (the same words for the same conversation, ``--response-tokens`` long,
-``max_tokens`` honoured), and tokens go out as fast as the loop turns: each
+``max_tokens`` honoured; a final assistant message is continued, as llama.cpp's server
+prefills it: what follows it in the answer that conversation gets), and tokens go out as
+fast as the loop turns: each
 stream writes one token and yields, so that all open streams advance one token
 per loop turn, like a continuous-batching engine with no step clock. A client that
 closes its connection stops its stream at once (the gateway's cancel).
 
 ``GET /health``, ``/readyz``, ``/v1/models`` and ``/props`` (llama.cpp's, with
 ``total_slots``, so that the gateway learns how many streams it may open) answer
-too. Nothing else is implemented: this is a load source, not a server to expose.
+too, and llama.cpp's ``POST /tokenize`` (``{"content": TEXT}``: ``{"tokens": [...]}``, a
+token per word, as the answers are made). Nothing else is implemented: this is a load
+source, not a server to expose.
 
 Run: ``python -m bench.sse_server --port 8801 --response-tokens 300``
 """
@@ -80,6 +84,8 @@ class SseServer:
                 if method == "POST" and path.startswith("/v1/chat/completions"):
                     if not await self.complete(writer, body):
                         return
+                elif method == "POST" and path.partition("?")[0] == "/tokenize":
+                    writer.write(self.tokenize(body))
                 else:
                     writer.write(self.route(method, path))
                 await writer.drain()
@@ -102,12 +108,25 @@ class SseServer:
             return _response(200, {"total_slots": self.slots})
         return _response(404, {"error": {"message": f"not found: {path}"}})
 
+    @staticmethod
+    def tokenize(body: bytes) -> bytes:
+        """llama.cpp's ``/tokenize``: a token per word of ``content`` (how answers are made)."""
+        content = orjson.loads(body).get("content")
+        if not isinstance(content, str):
+            return _response(400, {"error": {"message": "'content' must be a string"}})
+        return _response(200, {"tokens": list(range(len(content.split())))})
+
     async def complete(self, writer: asyncio.StreamWriter, body: bytes) -> bool:
         """Stream one answer; False if the client went away before its end."""
         request = orjson.loads(body)
         messages = request.get("messages") or []
+        so_far = ""
+        if messages and messages[-1].get("role") == "assistant":
+            # Prefilled, as llama.cpp's server does: the rest of the answer it begins.
+            so_far = messages[-1].get("content") or ""
+            messages = messages[:-1]
         prompt = "".join(f"<|{m.get('role')}|>{m.get('content') or ''}" for m in messages)
-        tokens = answer_tokens(prompt, self.response_tokens)
+        tokens = _after(answer_tokens(prompt, self.response_tokens), so_far)
         budget = request.get("max_tokens")
         finish = "stop"
         if isinstance(budget, int) and len(tokens) > budget:
@@ -166,6 +185,16 @@ class SseServer:
         writer.write(_chunk(b"data: " + head + usage_event + b"\n\n"))
         writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         return True
+
+
+def _after(tokens: list[str], sent: str) -> list[str]:
+    """The tokens that follow the text ``sent`` (a prefix of the answer, token by token)."""
+    told = 0
+    for index, token in enumerate(tokens):
+        if told >= len(sent):
+            return tokens[index:]
+        told += len(token)
+    return []
 
 
 def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:

@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import resource
+import secrets
 import signal
 import socket
 import subprocess
@@ -25,6 +26,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from gateway import engines
 from gateway.api import auth
+from gateway.cluster import redis_topology
 from gateway.config import GatewayConfig
 from gateway.engines.base import EngineError, EngineUnavailableError
 from gateway.observability import access_log
@@ -119,11 +121,16 @@ command line)."""
 
 
 def session_store_url(text: str) -> str:
-    """``--session-store``: ``memory`` or a ``redis://``/``rediss://`` URL."""
+    """``--session-store``: ``memory``, or a Redis, Sentinel or Cluster URL
+    (gateway/cluster/redis_topology.py)."""
     text = text.strip()
-    if text == "memory" or text.startswith(("redis://", "rediss://", "unix://")):
+    if text == "memory":
         return text
-    raise argparse.ArgumentTypeError("use memory, or redis://HOST:PORT/DB (rediss:// for TLS)")
+    try:
+        redis_topology.parse(text)
+    except redis_topology.StoreUrlError as exc:
+        raise argparse.ArgumentTypeError(f"use memory, or {exc}") from None
+    return text
 
 
 def otlp_url(text: str) -> str:
@@ -313,7 +320,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get(SESSION_STORE_ENV_VAR, "memory"),
         metavar="URL",
         type=session_store_url,
-        help="memory (default) or redis://HOST:PORT/DB",
+        help="memory (default), redis[+sentinel|+cluster]://",
+    )
+    limits.add_argument(
+        "--session-lease",
+        type=_number(float, 0.3),
+        default=3.0,
+        metavar="N",
+        help="a session's lease, seconds",
     )
     limits.add_argument(
         "--drain-timeout",
@@ -327,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_number(int, 0),
         default=64 << 20,
         metavar="N",
-        help="stored responses, in all (default: 64 MiB)",
+        help="stored responses, per tenant (default: 64 MiB)",
     )
     limits.add_argument(
         "--response-store-ttl",
@@ -384,6 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=auth.DEFAULT_SECRET_TTL,
         metavar="SECONDS",
         help="max life of a client secret",
+    )
+    security.add_argument(
+        "--client-secret-key",
+        metavar="FILE",
+        help="signs sha256: lines' secrets (default: random)",
     )
     security.add_argument("--tls-cert", metavar="FILE", help="PEM certificate: serve https, wss")
     security.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
@@ -477,6 +496,12 @@ def _checked_key_file(path: str | None) -> str | None:
     return path
 
 
+def _checked_client_secret_key(path: str | None) -> str | None:
+    if path is not None:
+        auth.read_client_secret_key(path)
+    return path
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         host=args.host,
@@ -491,6 +516,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         api_keys=auth.read_api_keys(args.api_key),
         api_key_file=_checked_key_file(args.api_key_file),
         client_secret_ttl=args.client_secret_ttl,
+        client_secret_key_path=_checked_client_secret_key(args.client_secret_key),
         client_secret_url=args.client_secret_url,
         handshake_timeout=args.handshake_timeout,
         max_handshakes=args.max_handshakes,
@@ -511,6 +537,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         background_retention=args.background_retention,
         session_store=args.session_store,
         drain_timeout=args.drain_timeout,
+        session_lease=args.session_lease,
         coalesce=not args.no_coalesce,
         responses_websocket=not args.no_responses_websocket,
         instructions=args.instructions,
@@ -621,6 +648,12 @@ def run_workers(args: argparse.Namespace, argv: Sequence[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="llm-gateway-") as worker_dir:
         command = [sys.executable, "-m", "gateway", *base, "--port", str(port)]
         command += ["--loop", args.loop, "--worker-dir", worker_dir]
+        if args.client_secret_key is None:
+            # One random key for all the workers: each accepts the client secrets the
+            # others mint for a sha256: line.
+            shared = Path(worker_dir) / "client-secret-key"
+            shared.write_text(secrets.token_urlsafe(32))
+            command += ["--client-secret-key", str(shared)]
         children = [
             subprocess.Popen([*command, "--worker-index", str(i)]) for i in range(args.workers)
         ]

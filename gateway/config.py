@@ -23,6 +23,8 @@ class GatewayConfig:
     api_keys: tuple[str | KeyEntry, ...] = ()
     api_key_file: str | None = None  # read again on SIGHUP
     client_secret_ttl: int = 600  # seconds: default and longest lifetime of a client secret
+    # Signs a sha256: line's client secrets (read again on SIGHUP); None: a random one.
+    client_secret_key_path: str | None = None
     client_secret_url: str | None = None  # where the chat page gets a client secret
     handshake_timeout: float = 5.0  # seconds from TCP connect to a whole HTTP request
     max_handshakes: int = 1024  # connections still in their handshake; beyond, the oldest goes
@@ -40,9 +42,10 @@ class GatewayConfig:
     node: str | None = None  # this host's name in session ids, for a load balancer's routing
     worker_dir: str | None = None  # with --workers: where the workers' relay sockets are
     reuse_port: bool = False
-    session_store: str = "memory"  # or redis://HOST:PORT/DB (gateway/cluster/redis_store.py)
+    session_store: str = "memory"  # or a Redis, Sentinel or Cluster URL (cluster/redis_topology.py)
     drain_timeout: float = 30.0  # with a store: seconds answers may finish at SIGTERM
-    response_store_bytes: int = 64 << 20  # stored Responses responses (store: true), in all
+    session_lease: float = 3.0  # with a store: a session's lease (a dead owner's wait)
+    response_store_bytes: int = 64 << 20  # stored Responses responses (store: true), per tenant
     response_store_ttl: float = 3600.0  # seconds a stored response can be continued
     background_retention: float = 600.0  # seconds a background response's events are kept
     served_model_names: tuple[str, ...] = ()  # --served-model-name; none: any name

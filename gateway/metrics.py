@@ -339,6 +339,16 @@ class Metrics:
             "gateway_session_store_dropped_total",
             "Session logs dropped from the write buffer while the store was away.",
         )
+        self.store_leases_lost = self._counter(
+            "gateway_session_store_leases_lost_total",
+            "Sessions ended here because another gateway holds their lease now (this one "
+            "was paused, cut off, or a failover lost its lease): their clients resume there.",
+        )
+        self.store_rewrites = self._counter(
+            "gateway_session_store_rewrites_total",
+            "Session logs written again from memory because the store lost frames (a "
+            "failover to a replica that lacked them).",
+        )
         self.store_flush_seconds = self._histogram(
             "gateway_session_store_flush_seconds",
             "One pipelined write of a loop turn's frames and state to the store.",

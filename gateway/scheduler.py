@@ -117,6 +117,7 @@ class Job:
     input_tokens: int = 0  # known once the engine reports the prompt's tokens
     cached_tokens: int = 0
     cancel_reason: CancelReason | None = None
+    reserved_tokens: int = 0  # of its tenant's tokens_per_minute, till it ends
     submitted_at: float = 0.0
     started_at: float = 0.0
     first_token_at: float = 0.0
@@ -201,7 +202,9 @@ class Scheduler:
             return False
         job.submitted_at = time.perf_counter()
         job.state = "queued"
-        self.tenants.request_started(job.tenant)
+        job.reserved_tokens = self.tenants.request_started(
+            job.tenant, job.request.sampling.max_output_tokens
+        )
         self.metrics.tenant_requests.labels(tenant=job.tenant).inc()
         self._queues.setdefault(job.session_key, deque()).append(job)
         self._queued += 1
@@ -564,7 +567,7 @@ class Scheduler:
         m.finished.labels(status=outcome.status).inc()
         m.output_tokens.inc(outcome.usage.output_tokens)
         m.tenant_output_tokens.labels(tenant=job.tenant).inc(outcome.usage.output_tokens)
-        self.tenants.request_ended(job.tenant, outcome.usage.output_tokens)
+        self.tenants.request_ended(job.tenant, outcome.usage.output_tokens, job.reserved_tokens)
         m.deltas.inc(len(job.parts))
         m.e2e.observe(now - job.submitted_at)
         job.sink.on_finish(job, outcome)

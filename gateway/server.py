@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import ssl
 import time
 from collections.abc import ValuesView
@@ -93,6 +94,8 @@ class Gateway:
         )
         self.response_store = ResponseStore(config.response_store_bytes, config.response_store_ttl)
         dialects = DialectContext(self.response_store, config.max_parallel_per_session)
+        # Without --client-secret-key: this process's own, kept across SIGHUPs.
+        self._random_client_secret_key = secrets.token_bytes(32)
         self.admission = Admission(self._credentials(), config.allowed_origins)
         self.scheduler.tenants.limits = self.admission.credentials.limits
         self.observability.tenant_of = self.admission.tenant_of_http
@@ -104,6 +107,7 @@ class Gateway:
                 config.session_store,
                 process_id(config.node),
                 resume_window=config.resume_window,
+                lease_seconds=config.session_lease,
                 metrics=self.metrics,
                 write_batch=self.write_batch,
             )
@@ -322,12 +326,20 @@ class Gateway:
         await asyncio.shield(self._engine_task)
 
     def _credentials(self) -> auth.Credentials:
-        """The keys of the flags and the variable, then --api-key-file's as it is now."""
+        """The keys of the flags and the variable, then --api-key-file's as it is now (and
+        --client-secret-key's key)."""
         keys: list[str | KeyEntry] = []  # the file first: a key there keeps its name, limits
         if self.config.api_key_file is not None:
             keys += auth.read_key_file(self.config.api_key_file)
         keys += self.config.api_keys
-        return auth.Credentials(keys, max_secret_ttl=self.config.client_secret_ttl)
+        path = self.config.client_secret_key_path
+        return auth.Credentials(
+            keys,
+            max_secret_ttl=self.config.client_secret_ttl,
+            client_secret_key=(
+                auth.read_client_secret_key(path) if path else self._random_client_secret_key
+            ),
+        )
 
     def reload(self) -> None:
         """SIGHUP: the TLS files and the key file, read again."""

@@ -8,7 +8,12 @@ limits come from its line of the key file; a tenant with none has none. What is 
 - ``max_sessions``: the tenant's sessions (connected or waiting for a resume);
 - ``max_running``: its answers in the scheduler (running or queued);
 - ``requests_per_minute`` and ``tokens_per_minute`` (output tokens): over the last 60
-  seconds, a sliding window;
+  seconds, a sliding window. An answer **reserves** tokens when it is admitted (its
+  ``max_output_tokens``, else :data:`TOKENS_RESERVED_WITHOUT_LIMIT`; never more than the
+  whole limit) and is **settled** when it ends: the reservation goes, the tokens it
+  really produced enter the window. Answers started at once cannot overshoot the limit
+  (one is admitted only while what the window holds, plus what answers running have
+  reserved, plus its own reservation, fits);
 - ``weight``: its share of the engine when tenants compete for slots (the scheduler
   admits the waiting tenant with the fewest running answers per weight first).
 
@@ -26,6 +31,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 WINDOW_S = 60.0
+# What an answer with no max_output_tokens reserves of its tenant's tokens_per_minute
+# (docs/deployment.md): most answers are shorter; one that runs longer is charged all it
+# produced at its end, so the window stays exact.
+TOKENS_RESERVED_WITHOUT_LIMIT = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +87,7 @@ class TenantBook:
         self._clock = clock
         self._usage: dict[str, _Usage] = {}
         self.in_flight: Counter[str] = Counter()  # answers in the scheduler, per tenant
+        self.reserved: Counter[str] = Counter()  # their tokens_per_minute reservations
         self.running: Counter[str] = Counter()  # answers in the engine, per tenant
         self.sessions: Counter[str] = Counter()
 
@@ -105,9 +115,21 @@ class TenantBook:
 
     # -- answers -----------------------------------------------------------------------
 
-    def refuse_request(self, tenant: str, answers: int = 1) -> OverLimit | None:
-        """Whether ``tenant`` may start ``answers`` more answers now (and if not, why):
-        each choice of a request with several is an answer."""
+    def reservation(self, tenant: str, max_output_tokens: int | None) -> int:
+        """The tokens an answer of ``tenant`` limited to ``max_output_tokens`` reserves
+        (0 for a tenant without ``tokens_per_minute``)."""
+        tpm = self.of(tenant).tokens_per_minute
+        if tpm is None:
+            return 0
+        wanted = TOKENS_RESERVED_WITHOUT_LIMIT if max_output_tokens is None else max_output_tokens
+        return max(0, min(wanted, tpm))
+
+    def refuse_request(
+        self, tenant: str, answers: int = 1, max_output_tokens: int | None = None
+    ) -> OverLimit | None:
+        """Whether ``tenant`` may start ``answers`` more answers (each limited to
+        ``max_output_tokens``) now, and if not, why: each choice of a request with several
+        is an answer, and reserves its own tokens."""
         limits = self.of(tenant)
         if limits is NO_LIMITS:
             return None
@@ -121,20 +143,35 @@ class TenantBook:
             wait = usage.requests[0] + WINDOW_S - now if usage.requests else WINDOW_S
             return OverLimit(f"This key's requests_per_minute ({rpm}) is used up.", wait)
         tpm = limits.tokens_per_minute
-        if tpm is not None and usage.token_sum >= tpm:
+        wanted = self.reservation(tenant, max_output_tokens)
+        need = answers * max(wanted, 1)
+        if tpm is not None and usage.token_sum + self.reserved[tenant] + need > tpm:
+            # Room comes back as the window's oldest tokens leave it, or (when answers
+            # running hold it) as they end.
             wait = usage.tokens[0][0] + WINDOW_S - now if usage.tokens else 1.0
             return OverLimit(f"This key's tokens_per_minute ({tpm}) is used up.", wait)
         return None
 
-    def request_started(self, tenant: str) -> None:
+    def request_started(self, tenant: str, max_output_tokens: int | None = None) -> int:
+        """An answer of ``tenant`` is admitted; returns the tokens it reserves (give them
+        back to :meth:`request_ended`)."""
         self.in_flight[tenant] += 1
         if self.of(tenant).requests_per_minute is not None:
             self._window(tenant).requests.append(self._clock())
+        reserved = self.reservation(tenant, max_output_tokens)
+        if reserved:
+            self.reserved[tenant] += reserved
+        return reserved
 
-    def request_ended(self, tenant: str, output_tokens: int) -> None:
+    def request_ended(self, tenant: str, output_tokens: int, reserved: int = 0) -> None:
+        """Settle an answer: its reservation goes, the tokens it produced are charged."""
         self.in_flight[tenant] -= 1
         if self.in_flight[tenant] <= 0:
             del self.in_flight[tenant]
+        if reserved:
+            self.reserved[tenant] -= reserved
+            if self.reserved[tenant] <= 0:
+                del self.reserved[tenant]
         if output_tokens and self.of(tenant).tokens_per_minute is not None:
             usage = self._window(tenant)
             usage.tokens.append((self._clock(), output_tokens))
@@ -166,7 +203,9 @@ class TenantBook:
                 {
                     "name": "tokens",
                     "limit": limits.tokens_per_minute,
-                    "remaining": max(0, limits.tokens_per_minute - usage.token_sum),
+                    "remaining": max(
+                        0, limits.tokens_per_minute - usage.token_sum - self.reserved[tenant]
+                    ),
                     "reset_seconds": round(max(0.0, reset), 3),
                 }
             )

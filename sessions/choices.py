@@ -139,7 +139,7 @@ class Choices:
         count = len(specs) * each
         if core.scheduler.room < count:
             raise overloaded()
-        core.check_rate_limits(count)
+        core.check_rate_limits(count, specs[0].sampling.max_output_tokens)
         self.count = count
         ids = [request_id, *(f"{request_id}-{i}" for i in range(1, count))]
         self._index = {response_id: i for i, response_id in enumerate(ids)}

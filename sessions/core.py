@@ -652,7 +652,7 @@ class Session:
 
         The dialect's ``response_started`` runs before this returns, and before the
         job's first step can reach the session."""
-        self.check_rate_limits()
+        self.check_rate_limits(max_output_tokens=spec.sampling.max_output_tokens)
         response_id = response_id or codec.new_id("resp")
         record = self._observe(spec, response_id)
         request = spec.request(response_id, self._trace_context(record))
@@ -714,10 +714,11 @@ class Session:
             return ()
         return self.observability.trace_fields(record)
 
-    def check_rate_limits(self, answers: int = 1) -> None:
+    def check_rate_limits(self, answers: int = 1, max_output_tokens: int | None = None) -> None:
         """Raise ``rate_limit_exceeded`` if the session's tenant may not start ``answers``
-        answers now (its key file line's limits: gateway/tenants.py)."""
-        over = self.scheduler.tenants.refuse_request(self.tenant, answers)
+        answers (each of at most ``max_output_tokens``) now (its key file line's limits:
+        gateway/tenants.py)."""
+        over = self.scheduler.tenants.refuse_request(self.tenant, answers, max_output_tokens)
         if over is None:
             return
         if self.metrics is not None:

@@ -303,6 +303,22 @@ class Outbox:
 
     # -- the socket ----------------------------------------------------------------
 
+    def abandon(self) -> Wire | None:
+        """Stop at once: what is pending is dropped, nothing more is written, and the
+        wire is let go (returned: its caller closes it as it must). A session store does
+        this when another process has taken the session over (gateway/cluster/)."""
+        self._closed = True
+        self._pending.clear()
+        self._head = 0
+        self._replayed = 0
+        self._open.clear()
+        self._bytes = 0
+        if self._writer is not None:
+            self._writer.cancel()
+            self._writer = None
+        wire, self._wire = self._wire, None
+        return wire
+
     def attach(self, wire: Wire, first: Sequence[bytes] = ()) -> None:
         """Send to ``wire`` from now on: ``first`` (frames already numbered, or never
         numbered), then whatever is pending. A wire attached before is closed (4001)."""

@@ -1,9 +1,11 @@
 """Stored Responses-API responses, for ``previous_response_id`` from any connection.
 
 One store per gateway process, shared by every session of the Responses dialect
-(WebSocket and HTTP). Bounded in bytes (the oldest go first) and in time (each
+(WebSocket and HTTP). Bounded in bytes per tenant (``max_bytes`` each: a tenant's
+own oldest go first, so a busy tenant never pushes out another's) and in time (each
 expires ``ttl`` seconds after it was stored); expired entries are dropped as they
-are met and from the front on every put, so nothing outlives its TTL by much.
+are met and from the front on every put, so nothing outlives its TTL by much. Tenants
+are the configured keys' (gateway/api/auth.py): a bounded number of budgets.
 Only the session actors and the HTTP routes call it, all on the event loop thread.
 """
 
@@ -49,7 +51,11 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.ttl = ttl
         self._clock = clock
+        # Every entry, oldest first (all live for the same ttl: the expiry order too), and
+        # each tenant's, oldest first, with its bytes (what its budget evicts from).
         self._entries: OrderedDict[str, tuple[float, StoredResponse]] = OrderedDict()
+        self._by_tenant: dict[str, OrderedDict[str, StoredResponse]] = {}
+        self._tenant_bytes: dict[str, int] = {}
         self.bytes = 0
         # A session store's hooks (gateway/cluster/persistence.py): what is put or deleted here
         # is put or deleted there too, for every process sharing it.
@@ -67,12 +73,19 @@ class ResponseStore:
             return
         self.delete(response.id)
         now = self._clock()
+        tenant = response.tenant
         self._entries[response.id] = (now + self.ttl, response)
+        self._by_tenant.setdefault(tenant, OrderedDict())[response.id] = response
+        self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + response.size
         self.bytes += response.size
         self._expire(now)
-        while self.bytes > self.max_bytes:
-            _, (_, oldest) = self._entries.popitem(last=False)
-            self.bytes -= oldest.size
+        own = self._by_tenant[tenant]
+        while self._tenant_bytes[tenant] > self.max_bytes:
+            self.delete(next(iter(own)))
+
+    def tenant_bytes(self, tenant: str) -> int:
+        """What ``tenant``'s stored responses take of its budget."""
+        return self._tenant_bytes.get(tenant, 0)
 
     def get(self, response_id: str, tenant: str) -> StoredResponse | None:
         """``response_id`` if ``tenant`` stored it: another tenant gets what an unknown id
@@ -95,7 +108,15 @@ class ResponseStore:
         entry = self._entries.pop(response_id, None)
         if entry is None:
             return False
-        self.bytes -= entry[1].size
+        response = entry[1]
+        self.bytes -= response.size
+        own = self._by_tenant[response.tenant]
+        del own[response_id]
+        left = self._tenant_bytes.pop(response.tenant) - response.size
+        if own:
+            self._tenant_bytes[response.tenant] = left
+        else:
+            del self._by_tenant[response.tenant]
         return True
 
     def _expire(self, now: float) -> None:

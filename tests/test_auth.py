@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import hmac
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -140,6 +143,30 @@ def test_every_worker_with_the_same_keys_accepts_a_secret_and_a_removed_key_revo
     assert not auth.Credentials(["k1-other"]).admits(minted.value)
 
 
+def test_a_hash_lines_secrets_cannot_be_minted_by_whoever_reads_the_key_file() -> None:
+    """A ``sha256:`` line's client secrets are signed with a key the gateway holds: what
+    the file says (the hash) is not enough to forge one."""
+    digest = hashlib.sha256(b"bobs-key").digest()
+    bob = tenants.KeyEntry(digest, "bob")
+    credentials = auth.Credentials([bob])
+    assert credentials.tenant_of(credentials.mint(bob).value) == "bob"
+    # Every signing key a reader of the file could derive from the line: the hash as hex
+    # (what gateways derived theirs from), and as raw bytes.
+    for known in (digest.hex().encode(), digest):
+        signing = hashlib.pbkdf2_hmac("sha256", known, b"llm-gateway client secrets v1", 100_000)
+        key_id = hashlib.sha256(b"key id" + signing).digest()[:4]
+        payload = struct.pack(">B4sI8s", 1, key_id, int(time.time()) + 600, b"\0" * 8)
+        mac = hmac.digest(signing, payload, "sha256")[:16]
+        forged = "ek_" + base64.urlsafe_b64encode(payload + mac).decode().rstrip("=")
+        assert credentials.tenant_of(forged) is None
+    # Gateways given one --client-secret-key accept each other's; another does not.
+    shared = b"k" * 32
+    one = auth.Credentials([bob], client_secret_key=shared)
+    minted = one.mint(bob).value
+    assert auth.Credentials([bob], client_secret_key=shared).tenant_of(minted) == "bob"
+    assert auth.Credentials([bob], client_secret_key=b"x" * 32).tenant_of(minted) is None
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -256,12 +283,16 @@ def test_a_bad_key_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert done.stderr.strip().count("\n") == 0 and "--api-key-file" in done.stderr
 
 
-def test_workers_keyed_from_the_environment_accept_each_others_secrets() -> None:
+def test_workers_keyed_from_the_environment_accept_each_others_secrets(tmp_path: Path) -> None:
+    """And those of a key file's ``sha256:`` line, signed with the key the parent made."""
     port = free_port()
     base = f"127.0.0.1:{port}"
     env = {**os.environ, auth.ENV_VAR: "sk-env"}
+    keys = tmp_path / "keys"
+    keys.write_text(f"sha256:{hashlib.sha256(b'sk-file').hexdigest()}\n")
+    argv = [sys.executable, "-m", "gateway", "--engine", "sim", "--workers", "2"]
     process = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "--engine", "sim", "--workers", "2", "--port", str(port)],
+        [*argv, "--port", str(port), "--api-key-file", str(keys)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -274,9 +305,10 @@ def test_workers_keyed_from_the_environment_accept_each_others_secrets() -> None
         assert refused.value.response.status_code == 401
         # Each request on a new connection: the kernel spreads them over both workers, so
         # among 12 secrets used on 12 connections, some are minted by one and used on the other.
-        for _ in range(12):
+        for i in range(12):
+            key = ("sk-env", "sk-file")[i % 2]
             answer = httpx.post(
-                f"http://{base}{SECRETS}", headers={"Authorization": "Bearer sk-env"}
+                f"http://{base}{SECRETS}", headers={"Authorization": f"Bearer {key}"}
             )
             secret = answer.json()["value"]
             with sync_connect(f"ws://{base}/v1/realtime", **subprotocol(secret)) as ws:

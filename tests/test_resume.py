@@ -22,8 +22,9 @@ from tests.support.harness import TIMEOUT, RunningGateway, running_gateway
 class Resumable:
     """A raw client that remembers what a resume needs and checks the numbering."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
         self.url = url
+        self.headers = headers  # on every connection (a key: Authorization)
         self.ws: ClientConnection | None = None
         self.session_id = ""
         self.fresh_session_id = ""  # the session the latest connection started with
@@ -32,7 +33,9 @@ class Resumable:
         self.events: list[dict[str, Any]] = []  # every numbered event, across connections
 
     async def open(self, query: str = "") -> dict[str, Any]:
-        self.ws = await connect(self.url + query, open_timeout=TIMEOUT)
+        self.ws = await connect(
+            self.url + query, open_timeout=TIMEOUT, additional_headers=self.headers
+        )
         created = await self.recv()
         assert created["type"] == "session.created"
         self.session_id, self.token = created["session"]["id"], created["resume_token"]

@@ -6,14 +6,20 @@ No mock stands in for Redis or for the gateway processes."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
+import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from bench.sse_server import SseServer
+from gateway.cluster.store_writes import log_key, state_key
 from tests.support.gateway_processes import TIMEOUT, RollingPair, gateways
 from tests.support.redis_server import RedisServer, redis_server_fixture  # noqa: F401
 from tests.support.responses_harness import ResponsesClient
@@ -85,6 +91,11 @@ class Chat:
                     while (await self.resume(url))["type"] != "session.resumed":
                         await asyncio.sleep(0.2)
 
+    async def limit(self, max_output_tokens: int) -> None:
+        session = {"type": "realtime", "max_output_tokens": max_output_tokens}
+        await self.send({"type": "session.update", "session": session})
+        await self.until("session.updated")
+
     async def deltas(self, n: int) -> None:
         for _ in range(n):
             await self.until("response.output_text.delta")
@@ -123,24 +134,77 @@ async def test_a_resume_on_the_other_gateway_mid_answer_is_relayed(
         assert any("took over" not in line for line in b.log)
 
 
+@contextlib.contextmanager
+def upstream_standin(tokens: int, token_s: float) -> Iterator[str]:
+    """An OpenAI-compatible server that streams the sim's answers (bench/sse_server.py),
+    continues a final assistant message as llama.cpp's does, and has its ``/tokenize``;
+    on a loop of its own (the test's blocks while a gateway process starts)."""
+    loop = asyncio.new_event_loop()
+    started = concurrent.futures.Future[str]()
+    stop = asyncio.Event()
+
+    async def serve() -> None:
+        handler = SseServer(tokens, 4, token_s).handle
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        started.set_result(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        async with server:
+            await stop.wait()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    try:
+        yield started.result(TIMEOUT)
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(TIMEOUT)
+        loop.close()
+
+
+@pytest.mark.parametrize("engine", ["sim", "upstream"])
 async def test_kill_9_of_the_owner_mid_answer_then_a_takeover_continues_it(
-    redis_server: RedisServer,
+    redis_server: RedisServer, engine: str
 ) -> None:
-    async with gateways(redis_server.url, 2) as (a, b):
+    """The answer another gateway continues is the one the first would have given: its
+    text, its ``max_output_tokens`` (the whole answer's budget, not a new one for the
+    rest) and its usage; on the sim and over an upstream replica."""
+    limit = 60
+    async with contextlib.AsyncExitStack() as stack:
+        flags: dict[str, Any] = {}
+        if engine == "upstream":
+            url = stack.enter_context(upstream_standin(300, 0.01))
+            flags["engine"] = ("--engine", "upstream", "--upstream", url)
+        a, b = await stack.enter_async_context(gateways(redis_server.url, 2, **flags))
         chat = Chat()
         await chat.open(a.url())
+        await chat.limit(limit)
         await chat.ask("Tell me a story")
         await chat.deltas(8)
         a.kill()
         with contextlib.suppress(Exception):
             while True:
                 await chat.recv()  # what was on its way; then the socket is gone
+        cut = chat.events[-1]["sequence_number"]
         # Until the dead owner's lease runs out, B relays; then it closes with 1012 and
         # the next resume takes the session over.
         assert (await chat.resume(b.url()))["type"] == "session.resumed"
         await chat.finish(b.url())
-        chat.check_whole()
         assert any("took over session" in line for line in b.log)
+        whole = Chat()  # the same question, uninterrupted
+        await whole.open(b.url())
+        await whole.limit(limit)
+        await whole.ask("Tell me a story")
+        expected = (await whole.until("response.done"))["response"]
+    numbers = [e["sequence_number"] for e in chat.events]
+    assert numbers == list(range(1, len(numbers) + 1)), numbers
+    done = [e["response"] for e in chat.events if e["type"] == "response.done"]
+    assert len(done) == 1 and done[0]["status"] == "incomplete", done
+    deltas = [e for e in chat.events if e["type"] == "response.output_text.delta"]
+    assert any(e["sequence_number"] > cut for e in deltas)  # continued after the cut
+    text = done[0]["output"][0]["content"][0]["text"]
+    assert "".join(e["delta"] for e in deltas) == text
+    assert text == expected["output"][0]["content"][0]["text"]
+    assert len(deltas) <= limit  # a token per delta at most
+    assert done[0]["usage"]["output_tokens"] == expected["usage"]["output_tokens"] == limit
 
 
 async def test_sigterm_drains_then_every_client_resumes_on_the_other_gateway(
@@ -205,7 +269,7 @@ async def test_a_redis_restart_mid_stream_loses_nothing_delivered(
         await second.ask("Hi")
         await second.until("response.done")
         async with asyncio.timeout(TIMEOUT):
-            while not redis_server.client().exists(f"llmgw:s:{second.session_id}"):
+            while not redis_server.client().exists(state_key(second.session_id)):
                 await asyncio.sleep(0.05)
 
 
@@ -272,12 +336,12 @@ async def test_a_closed_session_leaves_no_keys(redis_server: RedisServer) -> Non
         await chat.ask("Hello")
         await chat.until("response.done")
         client = redis_server.client()
-        assert client.exists(f"llmgw:s:{chat.session_id}", f"llmgw:l:{chat.session_id}") == 2
-        assert client.pttl(f"llmgw:s:{chat.session_id}") > 0  # they would expire anyway
+        assert client.exists(state_key(chat.session_id), log_key(chat.session_id)) == 2
+        assert client.pttl(state_key(chat.session_id)) > 0  # they would expire anyway
         assert chat.ws is not None
         await chat.ws.close()
         async with asyncio.timeout(TIMEOUT):
-            while client.keys(f"llmgw:*{chat.session_id}"):
+            while client.keys(f"llmgw:*{chat.session_id}*"):
                 await asyncio.sleep(0.05)
 
 
@@ -366,7 +430,7 @@ async def test_a_takeover_keeps_the_responses_turns_waiting_for_a_slot(
             session, token = c.session_id, c.resume_token
             stored = redis_server.client()
             async with asyncio.timeout(TIMEOUT):
-                while '"waiting":[[null,[{' not in (stored.get(f"llmgw:s:{session}") or ""):
+                while '"waiting":[[null,[{' not in (stored.get(state_key(session)) or ""):
                     await asyncio.sleep(0.02)
             seen += [await c.recv() for _ in range(2)]
             a.kill()

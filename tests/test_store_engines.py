@@ -101,6 +101,8 @@ def check_answers(chat: Chat, answers: int, moved_after: list[int]) -> None:
         ]
         text = "".join(e["delta"] for e in deltas)
         assert text == response["output"][0]["content"][0]["text"], (text, response)
+        # A token per delta at most: the continued part had the rest of the budget only.
+        assert len(deltas) <= MAX_TOKENS, len(deltas)
         assert any(e["sequence_number"] > cut for e in deltas), "not continued after the cut"
 
 

@@ -206,7 +206,7 @@ async def test_tokens_per_minute_and_rate_limits_updated(tmp_path: Any) -> None:
         named = {r["name"]: r for r in updated["rate_limits"]}
         assert named["requests"]["limit"] == 5 and named["requests"]["remaining"] == 4
         assert named["tokens"]["limit"] == 10
-        await alice.respond()  # 12 tokens now: past the minute's 10
+        # 6 tokens used: an answer without a limit reserves the whole minute's 10.
         await alice.send({"type": "response.create"})
         error = await alice.recv_until("error")
         assert error["error"]["code"] == "rate_limit_exceeded"
@@ -321,3 +321,35 @@ async def test_a_session_waiting_for_its_resume_leaves_room_to_resume_it(
             )
             assert (await again.recv_until("session.resumed"))["type"] == "session.resumed"
         assert gw.gateway.scheduler.tenants.sessions["alice"] <= 1
+
+
+async def test_a_tenants_stored_responses_evict_only_its_own() -> None:
+    """The response store's byte budget is each tenant's: a busy tenant's responses push
+    out its own oldest, never another tenant's."""
+    engine = SimEngine(step_ms=1, response_tokens=6)
+    async with running_gateway(engine, api_keys=(ALICE, BOB), response_store_bytes=16 << 10) as gw:
+        kept = (await post(gw, ALICE, "/v1/responses", {"model": "m", "input": "mine"})).json()
+        bobs = []
+        for i in range(40):  # each stored response is 2 KiB or more: far past the budget
+            body = {"model": "m", "input": f"busy {i}"}
+            bobs.append((await post(gw, BOB, "/v1/responses", body)).json()["id"])
+        assert (await call(gw, ALICE, "GET", f"/v1/responses/{kept['id']}")).status_code == 200
+        assert (await call(gw, BOB, "GET", f"/v1/responses/{bobs[-1]}")).status_code == 200
+        assert (await call(gw, BOB, "GET", f"/v1/responses/{bobs[0]}")).status_code == 404
+
+
+async def test_tokens_per_minute_is_reserved_when_an_answer_starts(tmp_path: Any) -> None:
+    """Answers started at once cannot overshoot ``tokens_per_minute``: each reserves its
+    ``max_output_tokens`` when admitted, and what it really used is charged at its end."""
+    keys = key_file(tmp_path, f"{ALICE} name=alice tokens_per_minute=100\n")
+    engine = SimEngine(step_ms=10, response_tokens=30)
+    async with running_gateway(engine, api_key_file=keys) as gw:
+        body = {"model": "m", "input": "hi", "max_output_tokens": 40}
+        answers = await asyncio.gather(*(post(gw, ALICE, "/v1/responses", body) for _ in range(5)))
+        served = [a.json() for a in answers if a.status_code == 200]
+        refused = [a for a in answers if a.status_code == 429]
+        assert len(served) + len(refused) == 5
+        assert sum(r["usage"]["output_tokens"] for r in served) <= 100
+        assert refused and refused[0].json()["error"]["code"] == "rate_limit_exceeded"
+        # Each used 30 of the 40 it reserved: settled at its end, the room is used - 100.
+        assert (await post(gw, ALICE, "/v1/responses", body)).status_code == 200

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -46,8 +47,9 @@ def get(url: str) -> bytes | None:
         return None
 
 
-@pytest.fixture
-def gateway_workers() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+@contextlib.contextmanager
+def started_workers(**env: str) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """``--workers 2`` on the sim, ``env`` added to its environment; killed at the end."""
     port = free_port()
     command = [sys.executable, "-m", "gateway", "--engine", "sim", "--log-level", "WARNING"]
     process = subprocess.Popen(
@@ -55,6 +57,7 @@ def gateway_workers() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,  # its own process group: a failed test can end all of it
+        env={**os.environ, **env},
     )
     try:
         yield process, port
@@ -64,6 +67,19 @@ def gateway_workers() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
             process.wait()
         assert process.stderr is not None
         process.stderr.close()
+
+
+@pytest.fixture
+def gateway_workers() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    with started_workers() as started:
+        yield started
+
+
+@pytest.fixture
+def keyed_workers() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """Two keys, two tenants: ``sk-alice`` and ``sk-bob``."""
+    with started_workers(LLM_GATEWAY_API_KEY="sk-alice,sk-bob") as started:
+        yield started
 
 
 def wait_until_serving(process: subprocess.Popen[bytes], base: str) -> None:
@@ -246,3 +262,33 @@ async def test_a_relayed_socket_taken_over_gets_4001(
             await relayed.recv()
     assert closed.value.rcvd is not None and closed.value.rcvd.code == 4001
     await second.close()
+
+
+async def test_a_resume_relayed_to_the_worker_holding_it_is_checked_for_its_tenant(
+    keyed_workers: tuple[subprocess.Popen[bytes], int],
+) -> None:
+    """Another key with the session's id and token (a leaked token) gets
+    ``session_not_found`` on whichever worker it lands, as a made-up id would; the
+    session's own key resumes through either."""
+    process, port = keyed_workers
+    base = f"127.0.0.1:{port}"
+    wait_until_serving(process, base)
+    url = f"ws://{base}/v1/realtime"
+    alice = Resumable(url, {"Authorization": "Bearer sk-alice"})
+    await alice.open()
+    owner = str(relay.owner_of(alice.session_id))
+    bob = Resumable(url, {"Authorization": "Bearer sk-bob"})
+    tried: set[str] = set()
+    while tried <= {owner}:  # until one of Bob's resumes reached the other worker
+        bob.session_id, bob.token, bob.last, bob.events = alice.session_id, alice.token, 1, []
+        answer = await bob.resume()
+        assert answer["type"] == "error", answer
+        assert answer["error"]["code"] == "session_not_found"
+        tried.add(str(relay.owner_of(bob.fresh_session_id)))
+        await bob.close()
+    landed: set[str] = set()
+    while landed <= {owner}:
+        alice.drop()
+        assert (await alice.resume())["type"] == "session.resumed"
+        landed.add(str(relay.owner_of(alice.fresh_session_id)))
+    await alice.close()

@@ -12,6 +12,12 @@ the MAC an HMAC-SHA256 under a signing key derived (PBKDF2, once at start) from
 the API key that minted it. So checking one costs one HMAC and no lookup, every
 ``--workers`` process (all configured with the same keys) accepts every other's
 secrets, and removing a key from the configuration revokes the secrets it minted.
+
+A ``sha256:`` line of the key file holds no key to derive from, and what it does hold
+is no secret from whoever reads the file: its client secrets are signed with a key
+derived from the gateway's own client-secret key (``--client-secret-key``, the
+same on every host; without it, a random one made at start and shared by the
+``--workers`` of one parent) and the line's hash.
 """
 
 from __future__ import annotations
@@ -160,13 +166,34 @@ def _signing_key(secret: bytes) -> bytes:
     return hashlib.pbkdf2_hmac("sha256", secret, _KDF_SALT, _KDF_ROUNDS)
 
 
-def _signing_key_of(entry: KeyEntry) -> bytes:
+def _signing_key_of(entry: KeyEntry, client_secret_key: bytes) -> bytes:
     """The key that signs ``entry``'s client secrets: derived from the key itself, or,
-    for a ``sha256:`` line, from its hash (so whoever reads that file can mint client
-    secrets for its tenant, though not use the API key: keep it private)."""
-    return _signing_key(
-        entry.key.encode() if entry.key is not None else entry.digest.hex().encode()
-    )
+    for a ``sha256:`` line (whose hash anyone who reads the file knows), from the
+    gateway's own ``client_secret_key`` and the hash."""
+    if entry.key is not None:
+        return _signing_key(entry.key.encode())
+    return hmac.digest(client_secret_key, _HASH_LINE_LABEL + entry.digest, "sha256")
+
+
+_HASH_LINE_LABEL = b"llm-gateway client secrets of a sha256: line v2\0"
+MIN_CLIENT_SECRET_KEY_BYTES = 16
+
+
+def read_client_secret_key(path: str) -> bytes:
+    """``--client-secret-key``: the secret (at least 16 bytes, surrounding blanks
+    aside) that signs a ``sha256:`` line's client secrets on every gateway given it.
+    Raises :class:`KeyConfigError` naming the file."""
+    source = f"--client-secret-key {path}"
+    try:
+        data = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise KeyConfigError(f"{source}: {exc}") from None
+    if len(data) < MIN_CLIENT_SECRET_KEY_BYTES:
+        raise KeyConfigError(
+            f"{source}: holds {len(data)} bytes; use at least {MIN_CLIENT_SECRET_KEY_BYTES} "
+            "random ones (python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
+    return data
 
 
 def _key_id(signing_key: bytes) -> bytes:
@@ -191,7 +218,10 @@ class Credentials:
         *,
         max_secret_ttl: int = DEFAULT_SECRET_TTL,
         clock: Callable[[], float] = time.time,
+        client_secret_key: bytes | None = None,
     ) -> None:
+        """``client_secret_key``: the gateway's own, for ``sha256:`` lines (None: a random
+        one, which only this object knows)."""
         first: dict[bytes, KeyEntry] = {}  # a key given twice: its first line counts
         for k in api_keys:
             entry = _checked(k, "a key") if isinstance(k, str) else k
@@ -200,7 +230,8 @@ class Credentials:
         self.required = bool(self.entries)
         self.max_secret_ttl = max_secret_ttl
         self._clock = clock
-        self._signing_by_digest = {e.digest: _signing_key_of(e) for e in self.entries}
+        own = client_secret_key or secrets.token_bytes(32)
+        self._signing_by_digest = {e.digest: _signing_key_of(e, own) for e in self.entries}
         self._open_signing_key = secrets.token_bytes(32)  # used while no key is configured
         self._signing_by_id: dict[bytes, list[tuple[bytes, str]]] = {}
         signing_keys = [(self._signing_by_digest[e.digest], e.tenant) for e in self.entries]

@@ -85,12 +85,14 @@ class BackgroundResponses:
         if self._store is not None:
             await self._store.keep(response_id, session.id, session.resume_token)
 
-    def delete(self, response_id: str) -> None:
+    async def delete(self, response_id: str) -> None:
+        """Forget ``response_id`` here and in the store; returns once the store has it
+        gone (a request sent at once to another instance no longer finds it)."""
         live = self._here.pop(response_id, None)
         if live is not None:
             self._forget(live)
         if self._store is not None:
-            self._store.forget(response_id)
+            await self._store.forget(response_id)
 
     def close(self) -> None:
         """Shutdown: every retained session goes now (running ones end with the gateway)."""

@@ -287,8 +287,8 @@ class ResponsesHttp(HttpApi):
         ):
             _not_found(reply, response_id)
             return
-        self.background.delete(response_id)
         self.response_store.delete(response_id, notify=True)
+        await self.background.delete(response_id)  # in the store once answered
         reply.send_json(200, {"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def input_items(self, request: HttpRequest, reply: HttpReply) -> None:

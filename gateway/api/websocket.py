@@ -283,8 +283,15 @@ class WebSocketEndpoint:
                 async with asyncio.timeout(worker_relay.CONNECT_TIMEOUT):
                     event = rt.decode(await ws.recv())
                 if isinstance(event, rt.SessionResume):
+                    # The relaying worker names the tenant of its client's credential.
+                    request = ws.request
+                    tenant = (
+                        request.headers.get(worker_relay.TENANT_HEADER, "")
+                        if request is not None
+                        else ""
+                    )
                     try:
-                        session = self._resumes.take_over(event, wire)
+                        session = self._resumes.take_over(event, wire, tenant)
                     except errors.ResumeRefused as refused:  # the other worker tells why
                         await ws.send(codec.encode(codec.error_event(refused)), text=True)
             if session is None:

@@ -31,7 +31,7 @@ from redis.exceptions import RedisError
 
 from gateway.cluster import store_relay
 from gateway.cluster.persistence import Persistence
-from gateway.cluster.redis_store import Loaded, channel, owner_key
+from gateway.cluster.redis_store import Loaded, channel
 from gateway.transport.sse import TERMINAL_TYPES, SseWire
 from sessions.errors import ResumeRefused
 
@@ -97,8 +97,13 @@ class Background:
             async with asyncio.timeout(2):  # a store that is down: the create goes on
                 await self.store.flush()
 
-    def forget(self, response_id: str) -> None:
+    async def forget(self, response_id: str) -> None:
+        """Delete the record, and wait until Redis has it gone (with what was queued
+        before it: the stored response's delete)."""
         self.store.delete_background(response_id)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(2):  # a store that is down: the delete goes on
+                await self.store.flush()
 
     async def find(self, response_id: str, tenant: str) -> Remote | None:
         """``tenant``'s background response ``response_id`` from the store, if it has one."""
@@ -164,7 +169,7 @@ class Background:
         owner = remote.loaded.owner or ""
         for _ in range(PUBLISH_TRIES):
             with contextlib.suppress(RedisError, OSError):
-                if await self.store.client.publish(channel(owner), message):
+                if await self.store.topology.publish(channel(owner), message):
                     break
             await asyncio.sleep(0.05)
         while True:  # until the terminal event is in the log, or the owner is gone
@@ -179,9 +184,7 @@ class Background:
 
     async def _owner_there(self, remote: Remote) -> bool:
         try:
-            owner = await self.store.client.get(owner_key(remote.session_id))
+            owner = await self.store.owner(remote.session_id)
         except (RedisError, OSError):
             return True  # Redis is away: the tail reads on once it is back
-        if isinstance(owner, bytes):
-            owner = owner.decode()
         return owner is not None and owner == remote.loaded.owner

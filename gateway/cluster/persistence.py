@@ -14,6 +14,11 @@
 - At a drain (:meth:`Persistence.hand_over`) every session is saved once more with its
   answers in flight, its lease released, and its hooks cut, so that what the local
   shutdown then does (cancelling answers) never reaches the store.
+- A session whose lease another process has taken (this one was paused past it, cut off
+  from Redis, or a failover lost its lease: the store's fenced writes say so) ends here
+  at once (:meth:`Persistence.lost`): nothing more of it is sent or stored, its socket
+  is closed with 1012, and its client resumes where the lease is. This is where a
+  takeover by another process shows on this one (a hook for its log line and metric).
 
 Who owns what: the store's queue and connections are the store's; this module only
 calls it from the event loop thread; restored sessions belong to the gateway like any.
@@ -29,7 +34,7 @@ import socket
 import orjson
 from redis.exceptions import RedisError
 
-from gateway.cluster.redis_store import Loaded, RedisStore
+from gateway.cluster.redis_store import Loaded, RedisStore, Source
 from gateway.metrics import Metrics
 from gateway.observability import Record
 from gateway.session_table import SessionTable
@@ -39,7 +44,7 @@ from sessions import snapshot
 from sessions.core import Session
 from sessions.dialects import BY_NAME, DialectContext
 from sessions.errors import ResumeRefused
-from sessions.outbox import Wire
+from sessions.outbox import Outbox, Wire
 from sessions.response_store import ResponseStore, StoredResponse
 
 log = logging.getLogger(__name__)
@@ -75,6 +80,18 @@ def response_from(data: bytes) -> StoredResponse:
     )
 
 
+LOST_CLOSE_CODE = 1012
+LOST_REASON = "the session moved to another gateway: resume again"
+
+
+def frames_after(outbox: Outbox, after: int) -> list[tuple[int, bytes]]:
+    """The numbered frames after ``after`` that ``outbox``'s replay buffer keeps (from its
+    oldest kept, where it no longer keeps all of them)."""
+    start = max(after, outbox.first_kept - 1)
+    frames = outbox.replay_after(start) or []
+    return [(start + 1 + i, frame) for i, frame in enumerate(frames)]
+
+
 def _serve(wire: object, session_id: str) -> None:
     """A socket now serving ``session_id``: its held frames wait for that session's writes."""
     if isinstance(wire, SocketWire | SseWire):
@@ -101,6 +118,7 @@ class Persistence:
         self._resume_window = resume_window
         self._handed_over = False  # a drain gave every session back to the store
         table.keeper = self
+        store.on_lost = self.lost
         responses.on_put = lambda r: store.put_response(r.id, response_json(r), responses.ttl)
         responses.on_delete = store.delete_response
 
@@ -119,12 +137,33 @@ class Persistence:
 
         session.on_change = changed
         changed(session)
-        store.own(session_id)
+        outbox = session.outbox
+        source = Source(lambda: snapshot.dump(session, name), lambda n: frames_after(outbox, n))
+        store.own(session_id, source)
 
     def ended(self, session: Session) -> None:
         """``session`` ended here: for good (its keys go), or handed over at a drain."""
+        _cut(session)
         if not self._handed_over:
             self.store.forget(session.id)
+
+    def lost(self, session_id: str) -> None:
+        """Another process holds ``session_id``'s lease now: end the session here without
+        a word more to its client or the store (see the module docstring)."""
+        session = self._table.get(session_id)
+        if session is None or session.ending:
+            return
+        log.warning("session %s was taken over by another gateway: closed here", session_id)
+        _cut(session)
+        _handed_over(session)
+        wire = session.outbox.abandon()
+        if wire is not None:
+            abandon = getattr(wire, "abandon", None)
+            if abandon is not None:
+                abandon(LOST_CLOSE_CODE, LOST_REASON)
+            else:
+                wire.close(LOST_CLOSE_CODE, LOST_REASON)
+        session.close("disconnected")
 
     def hand_over(self, sessions: list[Session]) -> None:
         """A drain: save each session as it is now, answers in flight included, and let
@@ -137,14 +176,8 @@ class Persistence:
             data = snapshot.dump(session, session.dialect.name)
             self.store.save(session.id, lambda data=data: data)  # type: ignore[misc]
             self.store.release(session.id, window)
-            session.outbox.on_sent = None
-            session.outbox.on_token_ids = None
-            session.outbox.on_attach = None
-            session.on_change = None
-            for r in session.responses:  # what this process ends of them is no cancel
-                if r.record is not None:
-                    r.record.handed_over = True
-                    r.record.note("handover")
+            _cut(session)
+            _handed_over(session)
             # At once, with no await before it: a frame numbered from now on would reach
             # the client without being in the log. What is pending still goes, after the
             # flush that logs it (the socket holds it till then).
@@ -189,6 +222,8 @@ class Persistence:
         session_id = loaded.state["id"]
         if not await self.store.acquire(session_id):
             raise ResumeRefused("session_busy")
+        if loaded.frames:
+            self.store.logged_upto(session_id, loaded.frames[-1][0])
         kind = BY_NAME[loaded.state["dialect"]]
         for response_id in kind.continued_responses(loaded.state["dialect_state"]):
             await self.fetch_response(response_id)
@@ -221,3 +256,20 @@ class Persistence:
             len(in_flight),
         )
         return session
+
+
+def _cut(session: Session) -> None:
+    """Nothing ``session`` does from now on reaches the store."""
+    session.outbox.on_sent = None
+    session.outbox.on_token_ids = None
+    session.outbox.on_attach = None
+    session.on_change = None
+
+
+def _handed_over(session: Session) -> None:
+    """What this process ends of ``session``'s answers from now on is no cancel: another
+    process goes on with them (its access log line and span say so)."""
+    for r in session.responses:
+        if r.record is not None:
+            r.record.handed_over = True
+            r.record.note("handover")

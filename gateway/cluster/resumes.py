@@ -267,7 +267,7 @@ class Resumes:
     ) -> None:
         """Pipe this connection to the worker of this host that holds the session, until
         that ends (raises :class:`SessionRelayed`), or raise the worker's refusal."""
-        opened = await relay.open_leg(worker_dir, relay.worker_of(owner), event)
+        opened = await relay.open_leg(worker_dir, relay.worker_of(owner), event, fresh.tenant)
         if opened is not None and opened[1].get("type") == "session.resumed":
             leg, answer = opened
             _discard(fresh, wire)
@@ -288,15 +288,13 @@ class Resumes:
         self,
         event: rt.SessionResume,
         wire: SocketWire,
-        tenant: str | None = None,
+        tenant: str,
         origin: Record | None = None,
     ) -> Session:
         """Attach ``wire`` to the session ``event`` names, if it is ``tenant``'s and its
-        token and replay buffer allow; else raise :class:`ResumeRefused`. ``tenant`` None:
-        a resume relayed from another worker of this host, whose relay does not carry the
-        tenant: the token alone decides (docs/deployment.md says so)."""
+        token and replay buffer allow; else raise :class:`ResumeRefused`."""
         target = self._table.get(event.session_id)
-        if target is not None and tenant is not None and target.tenant != tenant:
+        if target is not None and target.tenant != tenant:
             target = None  # another tenant's: as if there were none
         code = (
             target.resume(event.resume_token, event.last_sequence_number, wire, origin=origin)

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import secrets
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -40,6 +43,7 @@ HEARTBEAT_SECONDS = 1.0
 TAIL_BLOCK_MS = 1000
 RETRY_SECONDS = 0.05  # a tail whose read failed reads again after this, doubling to
 MAX_RETRY_SECONDS = 1.0
+SEEN_IDS = 4096  # relayed messages remembered by id, so that one sent again is taken once
 
 
 def gap(loaded: Loaded, last: int) -> bool:
@@ -61,7 +65,11 @@ async def relay(
     """Serve the client on ``ws`` from the log and the owner, until either goes."""
     session_id, owner = loaded.state["id"], loaded.owner or ""
     frames = [frame for seq, frame in loaded.frames if seq > last]
-    top = loaded.frames[-1][0] if loaded.frames else last
+    # The client may have more than the log (a failover lost frames its owner writes
+    # again): the tail goes on after what the client has.
+    top = max(loaded.frames[-1][0], last) if loaded.frames else last
+    relay_id = secrets.token_hex(6)
+    sent = itertools.count()
     for frame in ([greeting] if greeting is not None else []) + frames:
         await wire.write_later(frame)
 
@@ -72,11 +80,15 @@ async def relay(
         """Tell the owner. A client's frame is sent again until the owner has it (Redis
         away, or back but the owner not subscribed again yet: nobody received it), in
         order (``forward`` awaits each); past ``patience`` the client resumes again."""
-        message = orjson.dumps({"session": session_id, "kind": kind, "frame": frame})
+        # An id, so that the owner takes a message sent again (no receiver counted, yet
+        # one received it: a cluster's shard in a failover) once.
+        message = orjson.dumps(
+            {"session": session_id, "kind": kind, "frame": frame, "id": f"{relay_id}.{next(sent)}"}
+        )
         backoff, since = RETRY_SECONDS, loop.time()
         while True:
             with contextlib.suppress(RedisError, OSError):
-                if await store.client.publish(channel(owner), message) or kind != "frame":
+                if await store.topology.publish(channel(owner), message) or kind != "frame":
                     return
             if loop.time() - since > patience:
                 wire.close(1012, "the session's gateway cannot be reached: resume again")
@@ -154,6 +166,10 @@ async def tail_log(
             log.debug("tail of %s: the log does not answer (%s)", session_id, exc)
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, MAX_RETRY_SECONDS)
+            # A failover: the primaries learnt again (a relaying process may write
+            # nothing itself, so no lane of its own would).
+            with contextlib.suppress(RedisError, OSError):
+                await store.topology.refresh()
             continue
         backoff = RETRY_SECONDS
         for _, items in entries or []:
@@ -175,6 +191,7 @@ class Inbound:
         self.sessions = sessions
         self.window = window
         self._task: asyncio.Task[None] | None = None
+        self._seen: OrderedDict[str, None] = OrderedDict()  # recent message ids
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._listen(), name="store-inbound")
@@ -188,15 +205,20 @@ class Inbound:
     async def _listen(self) -> None:
         while True:
             try:
-                pubsub = self.store.client.pubsub(ignore_subscribe_messages=True)
-                await pubsub.subscribe(channel(self.store.process))
-                async for message in pubsub.listen():
-                    await self._handle(orjson.loads(message["data"]))
+                async for data in self.store.topology.messages(channel(self.store.process)):
+                    await self._handle(orjson.loads(data))
             except (RedisError, OSError) as exc:
                 log.debug("relay channel: %s; listening again", exc)
                 await asyncio.sleep(0.5)
 
     async def _handle(self, message: dict[str, Any]) -> None:
+        message_id = message.get("id")
+        if isinstance(message_id, str):
+            if message_id in self._seen:
+                return  # sent again: taken once
+            self._seen[message_id] = None
+            if len(self._seen) > SEEN_IDS:
+                self._seen.popitem(last=False)
         session = self.sessions(message.get("session", ""))
         if session is None or session.ending:
             return

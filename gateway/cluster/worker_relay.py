@@ -7,7 +7,10 @@ a directory only this user can open, which the parent process creates for its wo
 (``--worker-dir``). The worker that receives ``session.resume`` for another worker's
 session opens a WebSocket to that worker there, passes the event on, and if the answer is
 ``session.resumed`` it becomes a pipe: client frames to the owner, the owner's frames
-(numbered by the owner's outbox) to the client. Closes cross the pipe as they came: a
+(numbered by the owner's outbox) to the client. The inner connection's handshake carries
+the tenant of the client's credential (``x-llmgw-tenant``: only this user can reach
+that socket), and the owner resumes only a session of that tenant. Closes cross the pipe
+as they came: a
 client's close frame closes the inner connection with one (the session ends), a client
 that vanished aborts it (the session stays detached for its window), and a close by the
 owner (1001 at shutdown, 4001 when taken over) reaches the client with its code.
@@ -32,6 +35,7 @@ from sessions.realtime import codec as rt
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = 5.0
+TENANT_HEADER = "x-llmgw-tenant"  # on the inner connection: whose credential asked
 
 
 class ClientSide(Protocol):
@@ -68,17 +72,21 @@ def worker_of(tag: str) -> str:
 
 
 async def open_leg(
-    worker_dir: str, worker: str, event: rt.SessionResume
+    worker_dir: str, worker: str, event: rt.SessionResume, tenant: str
 ) -> tuple[ClientConnection, codec.JSON] | None:
-    """Ask ``worker`` to resume; the inner connection and its answer, or None when that
-    worker cannot be reached (it is gone: the session went with it)."""
+    """Ask ``worker`` to resume for ``tenant``; the inner connection and its answer, or
+    None when that worker cannot be reached (it is gone: the session went with it)."""
     path = socket_path(worker_dir, worker)
     try:
         async with asyncio.timeout(CONNECT_TIMEOUT):
             # No size limit inside: the owner's frames were not limited either (a long
             # answer's response.done can be bigger than what a client may send).
             leg = await unix_connect(
-                str(path), uri="ws://worker/v1/realtime", compression=None, max_size=None
+                str(path),
+                uri="ws://worker/v1/realtime",
+                compression=None,
+                max_size=None,
+                additional_headers={TENANT_HEADER: tenant},
             )
             await leg.send(_resume_frame(event))
             answer: codec.JSON = orjson.loads(await leg.recv())

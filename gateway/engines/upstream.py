@@ -92,6 +92,8 @@ EMBEDDINGS_PATH = "/v1/embeddings"
 # What a replica that serves no embeddings answers: 404 (vLLM, SGLang without an
 # embedding model), 501 (llama.cpp's server without --embeddings).
 NO_EMBEDDINGS = (404, 405, 501)
+TOKENIZE_PATH = "/tokenize"  # llama.cpp's server and vLLM's
+CHARS_PER_TOKEN = 4  # a taken-over answer's tokens, estimated where a replica cannot count
 
 
 @dataclass(eq=False, slots=True)
@@ -378,7 +380,15 @@ class UpstreamEngine(StreamingEngine):
         tried: list[Replica] = []
         self._check_ready()
         prefix, earlier_tokens, moves = request.continuation, 0, 0
+        # A takeover's answer so far (another gateway's) counts in this answer's budget
+        # and usage as the text a replica streamed before a move does.
+        counted = not prefix
         while (replica := self._choose(request, tried, prefix)) is not None:
+            if not counted:
+                earlier_tokens = len(request.continuation_token_ids) or await self._count_tokens(
+                    replica, prefix
+                )
+                counted = True
             tried.append(replica)
             sent_text = False
             replica.outstanding += 1
@@ -448,6 +458,40 @@ class UpstreamEngine(StreamingEngine):
                     replica.streaming -= 1
         detail = f"{len(tried)} tried, all failed" if tried else "none is healthy"
         raise EngineError("upstream_unavailable", f"no upstream server could answer ({detail})")
+
+    async def _count_tokens(self, replica: Replica, text: str) -> int:
+        """How many tokens ``text`` is, by ``replica``'s own tokenizer (``POST /tokenize``:
+        llama.cpp's shape for a prefilling replica, vLLM's and SGLang's otherwise); where it
+        cannot tell, an estimate of :data:`CHARS_PER_TOKEN` characters a token."""
+        estimate = max(1, len(text) // CHARS_PER_TOKEN)
+        client = replica.client
+        if client is None:
+            return estimate
+        if replica.continuation == "prefill":
+            body: dict[str, Any] = {"content": text, "add_special": False}
+        else:
+            body = {"prompt": text, "add_special_tokens": False}
+            if model := self.model or replica.model:
+                body["model"] = model
+        tokens = None
+        try:
+            response = await _send(
+                client,
+                "POST",
+                TOKENIZE_PATH,
+                body=orjson.dumps(body),
+                headers={"Content-Type": "application/json"},
+                io_timeout=PROBE_TIMEOUT,
+            )
+            answer = await response.read()
+            if response.status_code == 200:
+                tokens = orjson.loads(answer).get("tokens")
+        except (HttpError, orjson.JSONDecodeError, AttributeError):
+            pass
+        if not isinstance(tokens, list):
+            log.info("upstream %s cannot count tokens: the answer so far is estimated", replica.url)
+            return estimate
+        return len(tokens)
 
     def _choose(
         self, request: GenerationRequest, tried: list[Replica], prefix: str

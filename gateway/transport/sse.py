@@ -100,10 +100,11 @@ class SseWire:
         if self._ended:
             return
         hold = self._hold
-        if hold is not None and hold.up:
+        if hold is not None and (hold.up or hold.lapsed):
             # One callback a frame: the store calls them back in order.
             self._held += 1
-            hold.after(hold.due(self.session_id), lambda: self._release(frame))
+            due = hold.due(self.session_id)
+            hold.after(due, lambda: self._release(frame), self.session_id)
             return
         # _send, inline: this is every token's way out.
         prefix, suffix, last = self._messages(frame)
@@ -136,8 +137,14 @@ class SseWire:
         """The outbox let go of this stream (the session ended, or another stream
         took it over): the handler ends the response (after the frames held)."""
         if self._held and self._hold is not None:
-            self._hold.after_flush(self._end)
+            self._hold.after_flush(self._end, self.session_id)
             return
+        self._end()
+
+    def abandon(self, code: int, reason: str) -> None:
+        """The session lost its lease to another process: the frames held are never sent
+        and the stream ends now, unfinished (its client asks again, with
+        ``starting_after``, and reaches the owner's log)."""
         self._end()
 
     def _end(self) -> None:

@@ -29,18 +29,23 @@ KERNEL_SEND_BUFFER = 64 << 10  # per connection (Linux doubles it for bookkeepin
 
 class Hold(Protocol):
     """What a socket's writes wait for before they reach the client: the session store's
-    flush (gateway/cluster/redis_store.py), so that no client sees a frame the store lacks."""
+    flush (gateway/cluster/redis_store.py), so that no client sees a frame the store lacks,
+    nor one numbered by a process whose lease another has taken (a callback for a session
+    the store has lost is never called: the wire is abandoned instead)."""
 
-    up: bool  # False: nothing to wait for (memory-only meanwhile)
+    up: bool  # False: nothing to wait for (memory-only meanwhile)...
+    lapsed: bool  # ...unless the lease may have run out meanwhile: then frames wait
 
-    def after_flush(self, callback: Callable[[], None]) -> None:
+    def after_flush(self, callback: Callable[[], None], session: str | None = None) -> None:
         """After everything queued now is stored."""
 
     def due(self, session_id: str | None) -> tuple[int, int]:
         """The flushes (of each of the store's lanes) that store what ``session_id`` (None:
         every session) queued so far."""
 
-    def after(self, due: tuple[int, int], callback: Callable[[], None]) -> None:
+    def after(
+        self, due: tuple[int, int], callback: Callable[[], None], session: str | None = None
+    ) -> None:
         """After the flushes ``due`` are written."""
 
 
@@ -60,6 +65,7 @@ class SocketWire:
     """
 
     __slots__ = (
+        "_abandoned",
         "_close_task",
         "_group",
         "_group_due",
@@ -83,6 +89,7 @@ class SocketWire:
         self._ws = ws
         self._writes = CoalescedWrites(ws.transport, batch)
         self._hold = hold
+        self._abandoned = False  # the session's lease went elsewhere: write nothing more
         self._held: list[bytes] = []
         # Held frames leave in groups, each once the flushes it needs are written: frames
         # ever held, frames ever released, and the latest group still waiting (the count
@@ -106,7 +113,7 @@ class SocketWire:
 
     def write(self, frame: bytes) -> None:
         hold = self._hold
-        if hold is not None and hold.up:
+        if hold is not None and (hold.up or hold.lapsed):
             self._hold_frame(hold, frame)
             return
         # _send, inline: this is every token's way out.
@@ -133,7 +140,7 @@ class SocketWire:
             return
         group = self._group = [self._held_upto]
         self._group_due = due
-        hold.after(due, lambda: self._release_group(group))
+        hold.after(due, lambda: self._release_group(group), self.session_id)
 
     def _release_group(self, group: list[int]) -> None:
         if self._group is group:
@@ -148,7 +155,7 @@ class SocketWire:
         held = self._held[:count]
         del self._held[:count]
         self._released += count
-        if self._protocol.state is not State.OPEN:
+        if self._protocol.state is not State.OPEN or self._abandoned:
             return  # closing or gone: the frames stay in the replay buffer only
         parts: list[bytes] = []
         for frame in held:
@@ -157,7 +164,7 @@ class SocketWire:
         self._writes.write(b"".join(parts))
 
     def _send(self, frame: bytes) -> None:
-        if self._protocol.state is not State.OPEN:
+        if self._protocol.state is not State.OPEN or self._abandoned:
             return  # closing or gone: the frame stays in the replay buffer only
         size = len(frame)
         self._writes.write((_HEADERS[size] if size < _TABLED else text_frame_header(size)) + frame)
@@ -165,10 +172,12 @@ class SocketWire:
 
     async def write_later(self, frame: bytes) -> None:
         hold = self._hold
-        if hold is not None and hold.up:
+        if hold is not None and (hold.up or hold.lapsed):
             flushed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            hold.after_flush(lambda: _resolve(flushed))
+            hold.after_flush(lambda: _resolve(flushed), self.session_id)
             await flushed  # held frames before it went out in an earlier callback
+            if self._abandoned:
+                return
             self._release()
         with contextlib.suppress(ConnectionClosed):
             await self._ws.send(frame, text=True)
@@ -177,8 +186,18 @@ class SocketWire:
     def close(self, code: int, reason: str) -> None:
         if self._held and self._hold is not None:
             # After the frames it holds: they reach the client once the store has them.
-            self._hold.after_flush(lambda: self._close(code, reason))
+            self._hold.after_flush(lambda: self._close(code, reason), self.session_id)
             return
+        self._close(code, reason)
+
+    def abandon(self, code: int, reason: str) -> None:
+        """The session lost its lease to another process: the frames held for the store
+        are dropped (never sent: they were numbered after the other one took over), nothing
+        more is written, and the client is closed with ``code`` now (it resumes there)."""
+        self._abandoned = True
+        self._held.clear()
+        self._released = self._held_upto
+        self._group = None
         self._close(code, reason)
 
     def _close(self, code: int, reason: str, timeout: float = CLOSE_TIMEOUT) -> None:

@@ -416,7 +416,7 @@ class ResponsesDialect:
     ) -> None:
         """Store the input as a response without output; prefill the lane's cache."""
         core = self.core
-        core.check_rate_limits()  # a prefill takes an engine slot as an answer does
+        core.check_rate_limits(1)  # a prefill takes an engine slot as an answer does
         response_id = codec.new_id("resp")
         request = GenerationRequest(
             request_id=response_id,

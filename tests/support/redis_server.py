@@ -123,7 +123,9 @@ class RedisServer:
         save: str = "",
         appendonly: bool = False,
         executable: str | None = None,
+        config: str | None = None,
     ) -> None:
+        self._config = config  # a config file's text (Sentinel needs one it can rewrite)
         self._explicit_port = port is not None
         self._port = port if port is not None else free_port()
         self._extra = list(args)
@@ -183,7 +185,13 @@ class RedisServer:
         path = find_redis_server(self._executable)
         if path is None:
             raise RedisServerMissing(_missing_reason(self._executable))
-        argv = [path, "--port", str(self._port), "--bind", "127.0.0.1"]
+        argv = [path]
+        if self._config is not None:
+            config = self.dir / "redis.conf"
+            if not config.exists():  # kept on a restart: Sentinel writes what it learnt
+                config.write_text(self._config)
+            argv.append(str(config))
+        argv += ["--port", str(self._port), "--bind", "127.0.0.1"]
         argv += ["--save", self._save, "--appendonly", "yes" if self._appendonly else "no"]
         argv += ["--dir", str(self.dir), "--daemonize", "no", "--logfile", ""]
         return argv + self._extra
