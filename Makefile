@@ -75,7 +75,8 @@ test: $(STAMP) $(SDK_STAMP) $(CLIENTS_STAMP) $(NODE_STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run --profile
-	$(BIN)/python -m bench.writes --rev 57c5296
+	$(BIN)/python -m bench.writes
+	$(BIN)/python -m bench.requests
 	$(BIN)/python -m bench.logprobs --rev 819b085
 	$(BIN)/python -m bench.tls
 	$(BIN)/python -m bench.store

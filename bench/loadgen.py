@@ -12,7 +12,7 @@ gateway's Responses WebSocket dialect at ``/v1/responses``: one ``response.creat
 per turn, on one lane or, with ``Workload.lanes``, on that many named lanes of one
 connection), ``("http", base_url)`` (``POST /v1/responses`` over keep-alive HTTP/1.1,
 streamed as server-sent events or answered as one JSON ``Response``: the gateway
-or bench/baselines/fastapi_sse_server.py), ``("chat", base_url)`` (``POST
+or bench/baselines/fastapi_server.py), ``("chat", base_url)`` (``POST
 /v1/chat/completions`` the same way, its chunks or one ``chat.completion``) and
 ``("engine", params)`` (the SimEngine in the
 worker process itself, driven directly (EngineDriver): the bare-engine baseline,

@@ -187,35 +187,52 @@ def sse_server_argv(*, response_tokens: int, loop: str, token_ms: float = 0.0) -
     ]
 
 
-def fastapi_server_argv(
-    *, step_ms: float, response_tokens: int, loop: str, http: str = "h11"
-) -> list[str]:
+def _baseline_argv(module: str, *, step_ms: float, response_tokens: int, loop: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "bench.baselines.fastapi_sse_server",
+        f"bench.baselines.{module}",
         "--step-ms",
         str(step_ms),
         "--response-tokens",
         str(response_tokens),
         "--loop",
         loop,
-        "--http",
-        http,
     ]
 
 
-def floor_sse_server_argv(*, step_ms: float, response_tokens: int, loop: str) -> list[str]:
+def fastapi_server_argv(
+    *, step_ms: float, response_tokens: int, loop: str, http: str = "httptools", vllm: bool = False
+) -> list[str]:
+    """The minimal FastAPI app (bench/baselines/fastapi_server.py), or with ``vllm`` the
+    same app with vLLM's per-request queue and producer task (vllm_shape_server.py)."""
+    module = "vllm_shape_server" if vllm else "fastapi_server"
+    argv = _baseline_argv(module, step_ms=step_ms, response_tokens=response_tokens, loop=loop)
+    return [*argv, "--http", http]
+
+
+def floor_server_argv(*, response_tokens: int, loop: str) -> list[str]:
+    """The WebSocket floor (bench/baselines/floor_server.py)."""
+    return _baseline_argv("floor_server", step_ms=0, response_tokens=response_tokens, loop=loop)
+
+
+def floor_sse_server_argv(*, response_tokens: int, loop: str) -> list[str]:
+    """The SSE floor (bench/baselines/floor_sse_server.py)."""
+    return _baseline_argv("floor_sse_server", step_ms=0, response_tokens=response_tokens, loop=loop)
+
+
+def fastapi_proxy_argv(*, upstream: str, loop: str) -> list[str]:
+    """FastAPI + httpx forwarding to ``upstream`` (bench/baselines/fastapi_proxy.py)."""
     return [
         sys.executable,
         "-m",
-        "bench.baselines.floor_sse_server",
-        "--step-ms",
-        str(step_ms),
-        "--response-tokens",
-        str(response_tokens),
+        "bench.baselines.fastapi_proxy",
+        "--upstream",
+        upstream,
         "--loop",
         loop,
+        "--http",
+        "httptools" if httptools_installed() else "h11",
     ]
 
 

@@ -23,12 +23,12 @@ LABELS = {
     "upstream": "gateway --engine upstream",
     "responses": "gateway, Responses WebSocket",
     "http": "gateway, POST /v1/responses",
-    "fastapi": "FastAPI + uvicorn (h11)",
-    "fastapi-httptools": "FastAPI + uvicorn (httptools)",
+    "fastapi": "minimal FastAPI + uvicorn (h11)",
+    "fastapi-httptools": "minimal FastAPI + uvicorn (httptools)",
     "chat": "gateway, POST /v1/chat/completions",
     "completions": "gateway, POST /v1/completions",
-    "fastapi-chat": "FastAPI + uvicorn (h11), chat",
-    "fastapi-httptools-chat": "FastAPI + uvicorn (httptools), chat",
+    "fastapi-chat": "minimal FastAPI + uvicorn (h11), chat",
+    "fastapi-httptools-chat": "minimal FastAPI + uvicorn (httptools), chat",
 }
 
 
@@ -999,9 +999,9 @@ def responses_sections(results: dict[str, Any]) -> list[str]:
             "one request per turn, each a new conversation (`store: false`, no "
             "`previous_response_id`): over the Responses WebSocket; as `POST /v1/responses` "
             "with `stream: true` on keep-alive HTTP/1.1 connections (one SSE event, and one "
-            "HTTP chunk, per token); and against bench/baselines/fastapi_sse_server.py, a "
-            "FastAPI + uvicorn endpoint answering the same events on the same step clock and words "
-            "(orjson, no validation, no access log: a cheap one), with uvicorn's h11 parser "
+            "HTTP chunk, per token); and against bench/baselines/fastapi_server.py, a "
+            "minimal FastAPI + uvicorn app answering the same events and words from a plain "
+            "generator (orjson, no validation, no access log), with uvicorn's h11 parser "
             "(the gateway's own) and, where installed, httptools. Each alternates, twice. "
             "*vs WS* divides tokens/s by the WebSocket rows' mean; the load generator's own "
             "HTTP client reads the events (bench/loadgen.py, `HttpSession`).",

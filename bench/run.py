@@ -4,8 +4,9 @@ Every figure of the gateway is measured beside its baselines in the same run:
 
 - ``engine``: the same SimEngine driven in one process with no network (an
   EngineDriver in the load worker): the floor for latency.
-- ``bare``: a bare websockets server (bench/baselines/bare_server.py) pushing the same
-  frames on the same step clock with no gateway logic: the ceiling for frames.
+- ``bare``: a bare websockets server (bench/baselines/bare_server.py): a task per stream
+  sending the same frames with ``await ws.send``, on the sim's step clock when it has one,
+  no gateway logic.
 - ``gateway``: ``python -m gateway --engine sim``, coalescing on (the default).
 - ``gateway-nc``: the same with ``--no-coalesce``.
 - ``upstream``: ``python -m gateway --engine upstream`` in front of
@@ -15,9 +16,13 @@ Every figure of the gateway is measured beside its baselines in the same run:
   Responses WebSocket dialect (``/v1/responses``) instead of the Realtime one.
 - ``http``: the same gateway, ``POST /v1/responses`` over keep-alive HTTP/1.1
   (``stream: true``: server-sent events; or a JSON ``Response``).
-- ``fastapi`` / ``fastapi-httptools``: bench/baselines/fastapi_sse_server.py, a FastAPI +
-  uvicorn endpoint answering the same Responses events on the sim's step clock
-  and words, no gateway logic (uvicorn's h11 parser, or httptools where installed).
+- ``fastapi`` / ``fastapi-httptools``: bench/baselines/fastapi_server.py, a minimal
+  FastAPI + uvicorn app answering the same Responses events (a plain async generator;
+  on the sim's step clock when it has one) and words, no gateway logic (uvicorn's h11
+  parser, or httptools where installed); ``vllm-shape``: the same app with vLLM's
+  per-request queue and producer task (bench/baselines/vllm_shape_server.py).
+- ``floor`` / ``floor-sse``: what no server can go below (bench/baselines/floor_server.py,
+  floor_sse_server.py): prebuilt frames, one ``transport.write`` per frame per loop turn.
 
 Servers and load generators run on the event loop ``--loop`` names (default:
 the gateway's default, uvloop where installed); a system written ``NAME@asyncio``
@@ -60,6 +65,7 @@ from bench.loadgen import LoadResult, Target, Workload, raise_nofile, run_load
 from bench.procs import (
     bare_server_argv,
     fastapi_server_argv,
+    floor_server_argv,
     floor_sse_server_argv,
     gateway_argv,
     httptools_installed,
@@ -87,9 +93,12 @@ class Engine:
 
 SYSTEMS = {
     "engine": "bare engine (in-process, no network)",
-    "bare": "bare websockets server (ceiling)",
-    "floor": "bare websockets server --floor: frames by transport.write alone",
-    "floor-sse": "bench/baselines/floor_sse_server.py: SSE events by transport.write alone",
+    "bare": "bare websockets server (a task per stream, await ws.send per frame)",
+    "floor": "the floor (bench/baselines/floor_server.py): prebuilt frames, transport.write "
+    "per frame per loop turn",
+    "floor-responses": "the floor, its Responses WebSocket (/v1/responses)",
+    "floor-sse": "the SSE floor (bench/baselines/floor_sse_server.py), POST /v1/responses",
+    "floor-chat": "the SSE floor, POST /v1/chat/completions",
     "gateway": "gateway",
     "gateway-nc": "gateway --no-coalesce",
     "upstream": "gateway --engine upstream, in front of bench/sse_server.py",
@@ -97,10 +106,13 @@ SYSTEMS = {
     "http": "gateway, POST /v1/responses",
     "chat": "gateway, POST /v1/chat/completions",
     "completions": "gateway, POST /v1/completions",
-    "fastapi": "FastAPI + uvicorn (h11), bench/baselines/fastapi_sse_server.py",
-    "fastapi-httptools": "FastAPI + uvicorn (httptools), bench/baselines/fastapi_sse_server.py",
-    "fastapi-chat": "FastAPI + uvicorn (h11), its POST /v1/chat/completions",
-    "fastapi-httptools-chat": "FastAPI + uvicorn (httptools), its POST /v1/chat/completions",
+    "fastapi": "minimal FastAPI + uvicorn (h11), bench/baselines/fastapi_server.py",
+    "fastapi-httptools": "minimal FastAPI + uvicorn (httptools), bench/baselines/fastapi_server.py",
+    "fastapi-chat": "minimal FastAPI + uvicorn (h11), its POST /v1/chat/completions",
+    "fastapi-httptools-chat": "minimal FastAPI + uvicorn (httptools), POST /v1/chat/completions",
+    "vllm-shape": "vLLM's shape: FastAPI + a per-request queue and producer task "
+    "(bench/baselines/vllm_shape_server.py)",
+    "vllm-shape-chat": "vLLM's shape, its POST /v1/chat/completions",
 }
 
 
@@ -146,31 +158,39 @@ def serving(system: str, engine: Engine, loop: str) -> Iterator[Serving]:
                     also_sample=[upstream.pid],
                 )
         return
-    if name.startswith("fastapi"):
+    if name.startswith(("fastapi", "vllm-shape")):
         argv = fastapi_server_argv(
             step_ms=engine.step_ms,
             response_tokens=engine.response_tokens,
             loop=loop,
-            http="httptools" if name.startswith("fastapi-httptools") else "h11",
+            http="h11" if name in ("fastapi", "fastapi-chat") else "httptools",
+            vllm=name.startswith("vllm-shape"),
         )
         with server_process(argv) as server:
             http: Target = ("chat" if name.endswith("-chat") else "http", server.http_url)
             yield Serving(http, server.pid, workers=2, loop=loop, http_get=server.get)
         return
-    if name == "floor-sse":
-        argv = floor_sse_server_argv(
-            step_ms=engine.step_ms, response_tokens=engine.response_tokens, loop=loop
-        )
+    if name in ("floor-sse", "floor-chat"):
+        argv = floor_sse_server_argv(response_tokens=engine.response_tokens, loop=loop)
         with server_process(argv) as server:
-            yield Serving(("http", server.http_url), server.pid, workers=2, loop=loop)
+            sse: Target = ("chat" if name == "floor-chat" else "http", server.http_url)
+            yield Serving(sse, server.pid, workers=2, loop=loop)
+        return
+    if name in ("floor", "floor-responses"):
+        with server_process(
+            floor_server_argv(response_tokens=engine.response_tokens, loop=loop)
+        ) as server:
+            ws: Target = ("ws", server.ws_url)
+            if name == "floor-responses":
+                ws = ("responses", server.responses_url)
+            yield Serving(ws, server.pid, workers=2, loop=loop, http_get=server.get)
         return
     # NAME+REV: the gateway system NAME, run from commit REV's sources (an A/B).
     name, _, rev = name.partition("+")
-    if name in ("bare", "floor"):
+    if name == "bare":
         argv = bare_server_argv(
             step_ms=engine.step_ms, response_tokens=engine.response_tokens, loop=loop
         )
-        argv += ["--floor"] if name == "floor" else []
     else:
         argv = gateway_argv(
             step_ms=engine.step_ms,

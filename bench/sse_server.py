@@ -4,11 +4,12 @@ What the gateway's ``--engine upstream`` sees from trtllm-serve, vLLM or llama.c
 server, minus the model: HTTP/1.1 with keep-alive, a streamed answer in
 ``chat.completion.chunk`` server-sent events (one token per event, each event its
 own HTTP chunk), then a chunk with the finish reason, a usage chunk (as with
-``stream_options.include_usage``) and ``data: [DONE]``. Answers are the sim
-engine's (the same words for the same conversation, ``--response-tokens`` long,
+``stream_options.include_usage``) and ``data: [DONE]``; with ``stream: false``, one
+``chat.completion`` at once (what a proxy passes a non-streaming request on as). Answers
+are the sim engine's (the same words for the same conversation, ``--response-tokens`` long,
 ``max_tokens`` honoured; a final assistant message is continued, as llama.cpp's server
-prefills it: what follows it in the answer that conversation gets), and tokens go out
-as fast as the loop turns: each
+prefills it: what follows it in the answer that conversation gets), and tokens go out as
+fast as the loop turns: each
 stream writes one token and yields, so that all open streams advance one token
 per loop turn, like a continuous-batching engine with no step clock. A client that
 closes its connection stops its stream at once (the gateway's cancel).
@@ -118,9 +119,6 @@ class SseServer:
     async def complete(self, writer: asyncio.StreamWriter, body: bytes) -> bool:
         """Stream one answer; False if the client went away before its end."""
         request = orjson.loads(body)
-        if not request.get("stream"):
-            writer.write(_response(400, {"error": {"message": "only stream: true is served"}}))
-            return True
         messages = request.get("messages") or []
         so_far = ""
         if messages and messages[-1].get("role") == "assistant":
@@ -133,6 +131,28 @@ class SseServer:
         finish = "stop"
         if isinstance(budget, int) and len(tokens) > budget:
             tokens, finish = tokens[:budget], "length"
+        prompt_tokens = len(prompt.split()) + 2 * len(messages)
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(tokens),
+            "total_tokens": prompt_tokens + len(tokens),
+        }
+        if not request.get("stream"):
+            # The whole answer at once (a proxy's non-streaming request).
+            self.tokens += len(tokens)
+            text = "".join(tokens)
+            reply = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": reply, "finish_reason": finish}
+            completion = {
+                "id": f"chatcmpl-{next(_ids)}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": MODEL,
+                "choices": [choice],
+                "usage": usage,
+            }
+            writer.write(_response(200, completion))
+            return True
         head = (
             b'{"id":"chatcmpl-%d","object":"chat.completion.chunk","created":%d,"model":"%b",'
             % (
@@ -159,12 +179,6 @@ class SseServer:
                 await writer.drain()
         finally:
             self.streams -= 1
-        prompt_tokens = len(prompt.split()) + 2 * len(messages)
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": len(tokens),
-            "total_tokens": prompt_tokens + len(tokens),
-        }
         tail = b'"choices":[{"index":0,"delta":{},"finish_reason":"%b"}]}' % finish.encode()
         writer.write(_chunk(b"data: " + head + tail + b"\n\n"))
         usage_event = b'"choices":[],"usage":%b}' % orjson.dumps(usage)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import gc
 import importlib.util
 import logging
 import os
@@ -608,6 +609,10 @@ async def _serve(gateway: Gateway, stop: asyncio.Event) -> None:
             await gateway.stop()
             raise failure
         log.info("%s", ready_line(gateway, time.perf_counter() - began))
+        # What exists now (modules, classes, the engine, the gateway's parts) lives as
+        # long as the process: out of the cyclic collector's way, so that its full
+        # passes walk only what requests and sessions made since.
+        gc.freeze()
     failed = loop.create_task(gateway.engine_failed.wait())
     await asyncio.wait({stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()
@@ -720,12 +725,27 @@ def _redacted(match: re.Match[str]) -> str:
     return kept + "[redacted]"
 
 
+# What each of _SECRETS's alternatives must contain (lower case): an ASCII line with none
+# of them cannot match, and skips the expression (a line per request: the access log).
+_SECRET_MARKS = (
+    "authorization",
+    "x-resume-token",
+    "openai-insecure-api-key.",
+    "resume_token",
+    "ek_",
+)
+
+
 def redact_secrets(record: logging.LogRecord) -> bool:
     """A log filter: the record's message with every credential replaced by [redacted]."""
     try:
         message = record.getMessage()
     except Exception:  # a malformed log call: logging reports it, as without the filter
         return True
+    if message.isascii():  # (?i) matches beyond ASCII as lower() does not: those lines, always
+        lower = message.lower()
+        if not any(mark in lower for mark in _SECRET_MARKS):
+            return True
     redacted = _SECRETS.sub(_redacted, message)
     if redacted != message:
         record.msg, record.args = redacted, None

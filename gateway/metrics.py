@@ -99,7 +99,8 @@ class _Family:
             self._children[()] = self._value
 
     def labels(self, **labels: str) -> _Value:
-        key = tuple(labels[n] for n in self.labelnames)
+        names = self.labelnames
+        key = (labels[names[0]],) if len(names) == 1 else tuple([labels[n] for n in names])
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = _Value()

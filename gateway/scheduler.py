@@ -31,7 +31,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from bisect import bisect_left
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
@@ -104,6 +106,9 @@ class Job:
     session_key: str
     sink: JobSink
     tenant: str = ""  # the scheduler shares the engine across tenants first
+    # Where plain text deltas go, when the sink has a direct way for them (the session:
+    # its outbox's put_delta, bound to the response); None: ``sink.on_delta``.
+    on_text: Callable[[str], None] | None = None
     state: Literal["new", "queued", "running", "done"] = "new"
     parts: list[str] = field(default_factory=list)
     # The delivered text's log probabilities, when the request asked (set by _start).
@@ -349,6 +354,9 @@ class Scheduler:
         # The merged text's log probabilities, for jobs that asked for them (made when one
         # does: a batch without them never builds it).
         merged_logprobs: dict[Job, list[TokenLogprob]] | None = None
+        # The inter-token histogram's counts, updated inline on the hot path below.
+        gaps = self.metrics.inter_token
+        gap_bounds, gap_counts, gap_sum = gaps.bounds, gaps.counts, 0.0
         for request_id, output in batch:
             job = running.get(request_id)
             if job is None:
@@ -358,6 +366,19 @@ class Scheduler:
             if output.__class__ is str:  # the hot path: one token of text
                 text: str = output
                 job.output_tokens += 1
+                if merged is None and job.parts and job.on_text is not None:
+                    # _deliver, inline, for a job past its first token with a direct sink.
+                    gap = now - job.last_token_at
+                    gap_counts[bisect_left(gap_bounds, gap)] += 1
+                    gap_sum += gap
+                    job.last_token_at = now
+                    try:
+                        job.on_text(text)
+                    except Exception as exc:  # a bug costs its job, not the batch's others
+                        self._sink_failed(job, exc)
+                        continue
+                    job.parts.append(text)
+                    continue
             elif isinstance(output, TextDelta) and not output.token_ids:
                 text = output.text
                 job.output_tokens += output.tokens
@@ -393,6 +414,7 @@ class Scheduler:
                 merged[job] = [text]
             else:
                 parts.append(text)
+        gaps.sum += gap_sum
         if merged:
             for job, parts in merged.items():
                 text = parts[0] if len(parts) == 1 else "".join(parts)
@@ -410,6 +432,8 @@ class Scheduler:
         try:
             if token_ids:
                 job.sink.on_delta(job, text, token_ids)
+            elif job.on_text is not None:
+                job.on_text(text)
             else:
                 job.sink.on_delta(job, text)
         except Exception as exc:  # a bug costs its job, not the batch's other jobs

@@ -83,7 +83,9 @@ class SessionTable:
         # worker is relayed there (gateway/cluster/worker_relay.py).
         return codec.new_id(f"sess_{self._owner_tag}")
 
-    def new_outbox(self, framing: Framing, replay_bytes: int | None = None) -> Outbox:
+    def new_outbox(
+        self, framing: Framing, replay_bytes: int | None = None, *, unread: bool = False
+    ) -> Outbox:
         c = self._config
         if replay_bytes is None:
             replay_bytes = c.replay_buffer_bytes if c.resume_window > 0 else 0
@@ -92,6 +94,7 @@ class SessionTable:
             coalesce=c.coalesce,
             replay_bytes=replay_bytes,
             replay_budget=self._replay_budget,
+            unread=unread,
         )
 
     def open(
@@ -105,14 +108,16 @@ class SessionTable:
         kept: bool = True,
         tenant: str = "",
         origin: Record | None = None,
+        unread: bool = False,
     ) -> Session:
         """A new session and the task that runs it, until it ends (which may be long after
         its first connection closed: a dropped one waits detached for a resume).
         ``kept``: the keeper saves it (False for what no client can resume); ``origin``: the
-        HTTP request or WebSocket connection it is made for (its answers' access log)."""
+        HTTP request or WebSocket connection it is made for (its answers' access log);
+        ``unread``: no socket will read its events (a one-shot HTTP answer): none is made."""
         session = Session(
             self.scheduler,
-            self.new_outbox(framing, replay_bytes),
+            self.new_outbox(framing, replay_bytes, unread=unread),
             dialect,
             config=self.defaults,
             limits=self.limits,

@@ -182,6 +182,8 @@ class TenantBook:
         has): ``requests`` and ``tokens``, each with ``limit``, ``remaining`` and
         ``reset_seconds``."""
         limits = self.of(tenant)
+        if limits.requests_per_minute is None and limits.tokens_per_minute is None:
+            return []
         usage = self._window(tenant)
         now = self._clock()
         out: list[dict[str, object]] = []

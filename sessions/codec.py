@@ -10,10 +10,11 @@ is built from these.
 
 from __future__ import annotations
 
+import base64
 import enum
 import math
+import os
 import re
-import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, TypeVar
@@ -41,12 +42,49 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 ID_RANDOM_BYTES = 10  # 80 bits: no client guesses the id of an item it did not make
 # Event ids come from the session's outbox: its random tag and the event's sequence number.
+_POOL_BYTES = 4096
+
+
+class _RandomPool:
+    """The OS's random bytes (``os.urandom``, what :mod:`secrets` draws from), read 4 KiB
+    at a time: an id used to cost a system call of its own, and a request makes several.
+    Each byte is handed out once; a forked child starts with an empty pool. Used on the
+    event loop's thread (the session layer's), which needs no lock."""
+
+    def __init__(self) -> None:
+        self._pool = b""
+        self._at = 0
+        os.register_at_fork(after_in_child=self._forget)
+
+    def take(self, count: int) -> bytes:
+        at = self._at
+        end = at + count
+        if end > len(self._pool):
+            self._pool, at, end = os.urandom(max(_POOL_BYTES, count)), 0, count
+        self._at = end
+        return self._pool[at:end]
+
+    def _forget(self) -> None:
+        self._pool, self._at = b"", 0
+
+
+_random = _RandomPool()
+
+
+def random_hex(count: int) -> str:
+    """``count`` random bytes as hex (``secrets.token_hex``'s)."""
+    return _random.take(count).hex()
+
+
+def random_token(count: int) -> str:
+    """``count`` random bytes as URL-safe base64 (``secrets.token_urlsafe``'s)."""
+    return base64.urlsafe_b64encode(_random.take(count)).rstrip(b"=").decode("ascii")
 
 
 def new_id(prefix: str) -> str:
     """An id no client can predict, such as ``item_9c1e...``: for sessions, conversations,
     items and responses, whose ids a client may also choose (items) or must not guess."""
-    return f"{prefix}_{secrets.token_hex(ID_RANDOM_BYTES)}"
+    return f"{prefix}_{_random.take(ID_RANDOM_BYTES).hex()}"
 
 
 # ---------------------------------------------------------------------------
@@ -105,12 +143,36 @@ AnyItemSpec: TypeAlias = ItemSpec | FunctionCallSpec | FunctionCallOutputSpec
 
 
 class Reader:
-    """Validates one JSON object's fields, remembering the event_id for errors."""
+    """Validates one JSON object's fields, remembering the event_id for errors.
 
-    def __init__(self, obj: Mapping[str, Any], path: str, event_id: str | None) -> None:
+    A child's path (``tools[3].name``) is spelled out only when an error needs it: a long
+    input list is read without a string made per item."""
+
+    __slots__ = ("_index", "_key", "_parent", "_path", "event_id", "obj")
+
+    def __init__(
+        self,
+        obj: Mapping[str, Any],
+        path: str | None,
+        event_id: str | None,
+        parent: Reader | None = None,
+        key: str = "",
+        index: int = -1,
+    ) -> None:
         self.obj = obj
-        self.path = path
+        self._path = path  # None: the parent's ``key`` (and ``[index]``), when asked
+        self._parent = parent
+        self._key = key
+        self._index = index
         self.event_id = event_id
+
+    @property
+    def path(self) -> str:
+        if self._path is None:
+            assert self._parent is not None
+            path = self._parent.param(self._key)
+            self._path = path if self._index < 0 else f"{path}[{self._index}]"
+        return self._path
 
     def param(self, key: str) -> str:
         return f"{self.path}.{key}" if self.path else key
@@ -221,12 +283,12 @@ class Reader:
         value = self.obj[key]
         if not isinstance(value, dict):
             raise self.fail(key, f"'{self.param(key)}' must be an object.", "invalid_type")
-        return Reader(value, self.param(key), self.event_id)
+        return Reader(value, None, self.event_id, self, key)
 
     def child_at(self, key: str, index: int, value: Any) -> Reader:
         if not isinstance(value, dict):
             raise self.fail(f"{key}[{index}]", "Each item must be an object.", "invalid_type")
-        return Reader(value, f"{self.param(key)}[{index}]", self.event_id)
+        return Reader(value, None, self.event_id, self, key, index)
 
 
 # Chat Completions' range for both penalties.

@@ -83,9 +83,18 @@ class Conversation:
         elif after == "root":
             self._items.insert(0, item)
         else:
-            self._items.insert(self._items.index(self._by_id[after]) + 1, item)
+            self._items.insert(self._index(self._by_id[after]) + 1, item)
         self._by_id[item.id] = item
         self.chars += len(item.text)
+
+    def _index(self, item: Item) -> int:
+        """Where ``item`` (one of ours) is: searched by identity from the end, where the
+        items a response adds go (``list.index`` would compare every field of each)."""
+        items = self._items
+        index = len(items) - 1
+        while items[index] is not item:
+            index -= 1
+        return index
 
     def finish(self, item_id: str, text: str, status: ItemStatus) -> None:
         """Give a generated item its final text and status (if it is still there)."""
@@ -96,7 +105,7 @@ class Conversation:
 
     def delete(self, item_id: str) -> Item:
         item = self._by_id.pop(item_id)
-        self._items.remove(item)
+        del self._items[self._index(item)]
         self.chars -= len(item.text)
         return item
 

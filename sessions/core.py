@@ -24,9 +24,9 @@ stream has ended.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
@@ -365,19 +365,32 @@ class Session:
         self.origin = origin
         self._ending_response = False  # response_ended runs: its error is no refusal
         self.conversation = Conversation()
-        self._inbox = Inbox[_Inbound]()
+        # Not Inbox[_Inbound](): a generic alias made at run time costs a typing lookup.
+        self._inbox: Inbox[_Inbound] = Inbox()
         self._unhandled = 0
         self._room: asyncio.Event | None = None  # made when a reader first has to wait
         self._responses: dict[Job, ResponseState] = {}
         self._closing: _Close | None = None
         self._close_requested = False
-        self.resume_token = resume_token or secrets.token_urlsafe(24)  # 192 bits; never logged
+        # 192 bits, never logged; made when first asked (a one-shot HTTP answer never is).
+        self._resume_token = resume_token
         self._previous_token: str | None = None  # see resume()
         self._expiry: asyncio.TimerHandle | None = None
         # Told after every turn of the actor (a session store saves the session then).
         self.on_change: Callable[[Session], None] | None = None
         self.outbox.on_overflow = self._overflowed
         dialect.attach(self, greet)
+
+    @property
+    def resume_token(self) -> str:
+        """The secret that proves a client had this session (a resume presents it)."""
+        if self._resume_token is None:
+            self._resume_token = codec.random_token(24)
+        return self._resume_token
+
+    @resume_token.setter
+    def resume_token(self, token: str) -> None:
+        self._resume_token = token
 
     # -- inputs (any task) ---------------------------------------------------
 
@@ -456,7 +469,7 @@ class Session:
             # A fresh token; the one presented stays valid beside it until the client shows
             # it has the fresh one: if this connection drops before the resumed event
             # reaches the client, its next resume (with the token it holds) must still work.
-            self._previous_token, self.resume_token = token, secrets.token_urlsafe(24)
+            self._previous_token, self.resume_token = token, codec.random_token(24)
         resumed = self.dialect.resumed(self.resume_token)
         self.outbox.attach(wire, replay if resumed is None else [resumed, *replay])
         if self.metrics is not None:
@@ -668,7 +681,13 @@ class Session:
             # Without tools the answer is text: its message item opens at once, so even
             # an answer cut before its first token leaves an (incomplete) item.
             self._open_text(response)
+            self._direct_text(response)
         return response
+
+    def _direct_text(self, r: ResponseState) -> None:
+        """``r``'s text is output 0 and nothing else will be: the scheduler hands its
+        deltas to the outbox directly (what :meth:`on_delta` would do, a call less)."""
+        r.job.on_text = functools.partial(self.outbox.put_delta, r.delta_key, r.item_id)
 
     def _observe(
         self,
@@ -720,6 +739,8 @@ class Session:
         self._responses[r.job] = r
         r.record = self._observe(r.spec, r.id, r.continues or (None, None))
         self.dialect.response_continued(r)
+        if r.text_index == 0:
+            self._direct_text(r)
         if not r.calls and r.text_index == 0 and engine.continues(r.job.request):
             r.job.request = replace(
                 r.job.request,

@@ -22,8 +22,13 @@ The outbox is the one path to a session's socket, and it owns the order:
 
 Nothing here imports the network (the socket end is a :class:`Wire`) or knows a
 wire format: the session's dialect gives a :class:`Framing`, which splices the
-number into an event and builds the one event per token, a text delta, from bytes
-(with its tokens' log probabilities, for a response that asked for them).
+number into an event and builds the one event per token, a text delta, from a
+template it makes once per response (with its tokens' log probabilities, for a
+response that asked for them).
+
+The common case, a token for a socket with room, is :meth:`Outbox.put_delta`'s first
+branch: a number, the framing's template, the replay buffer's append and one write, in
+one function (see docs/performance.md, "The token path").
 """
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ class Framing(Protocol):
         """The encoded event ``body`` (a JSON object) with its number ``seq`` added."""
 
     def delta_ids(self, response_id: str, item_id: str) -> bytes:
-        """The part of a delta frame that names its response (made once per response)."""
+        """What :meth:`delta` builds a response's text deltas from (made once per
+        response: a template naming it, say)."""
 
     def delta(self, seq: int, ids: bytes, text: str) -> bytes:
         """The text delta ``text`` of output 0 of the response ``ids`` names, numbered."""
@@ -112,7 +118,7 @@ class CloseRequest:
 _Entry = bytes | _PendingDelta | _Numbered | CloseRequest
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class OutboxStats:
     deltas_in: int = 0  # deltas handed to the outbox
     frames_out: int = 0  # frames numbered for the socket (written, or kept for a resume)
@@ -138,7 +144,10 @@ class Outbox:
         coalesce: bool = True,
         replay_bytes: int = 256 << 10,
         replay_budget: ReplayBudget | None = None,
+        unread: bool = False,
     ) -> None:
+        """``unread``: no socket will ever read these events (a one-shot HTTP answer, whose
+        handler waits for its result alone): each is dropped as it comes, unencoded."""
         # Lists with a head index rather than deques: an idle session's outbox is then a few
         # hundred bytes smaller (a deque keeps a 64-slot block even when empty). Each is
         # cleared when its head reaches the end, so "not self._pending" means empty.
@@ -155,12 +164,15 @@ class Outbox:
         self._coalesce = coalesce
         self._wire: Wire | None = None
         self._writer: asyncio.Task[None] | None = None
-        self._closed = False
+        self._closed = unread  # accepts nothing: what put and put_delta look at first
         self._framing = framing
         self._seq = framing.first_sequence_number - 1
-        self._replay: list[bytes] = []  # sent frames from _replay_head on, the first of
-        self._replay_head = 0  # them numbered _replay_first
-        self._replay_first = 0
+        self._seq_start = self._seq  # frames numbered here: _seq - _seq_start
+        # Sent frames from _replay_head on: the run of numbers that ends at _seq (every
+        # numbered frame is kept, but a greeting that is never replayed, which comes first).
+        # A list with a head index, not a deque, for the reason above.
+        self._replay: list[bytes] = []
+        self._replay_head = 0
         self._replay_bytes = 0
         self._delta_response: str | None = None  # whose ids _delta_ids holds
         self._delta_item: str | None = None
@@ -168,6 +180,9 @@ class Outbox:
         self._replays_first = framing.replays_first
         self._replay_limit = replay_bytes
         self._budget = replay_budget or ReplayBudget(replay_bytes)
+        self._deltas_in = 0
+        self._delta_frames = 0
+        self._bytes_out = 0
         self.lost = False  # events were dropped: a resume cannot be seamless any more
         self.on_overflow: Callable[[], None] | None = None
         # Told of every numbered frame (a session store logs it; it must not await).
@@ -176,7 +191,6 @@ class Outbox:
         # them (TensorRT-LLM continues an answer from them after a takeover).
         self.on_token_ids: Callable[[int, tuple[int, ...]], None] | None = None
         self.on_attach: Callable[[Wire], None] | None = None  # a wire starts serving here
-        self.stats = OutboxStats()
 
     def __len__(self) -> int:
         return len(self._pending) - self._head - self._replayed
@@ -184,6 +198,12 @@ class Outbox:
     @property
     def pending_bytes(self) -> int:
         return self._bytes
+
+    @property
+    def stats(self) -> OutboxStats:
+        """What was numbered and sent so far (counted on the hot path: a few additions)."""
+        frames = self._seq - self._seq_start
+        return OutboxStats(self._deltas_in, frames, self._delta_frames, self._bytes_out)
 
     @property
     def last_sequence_number(self) -> int:
@@ -200,10 +220,15 @@ class Outbox:
         """Queue (or send right away) one server event; it gets its number when written."""
         if self._closed:
             return
-        self._open.clear()
+        if self._open:
+            self._open.clear()
         body = encode(server_event)
-        if self._can_write_now():
-            self._write(body)
+        wire = self._wire
+        if not self._pending and self._writer is None and wire is not None and wire.writable():
+            self._seq = seq = self._seq + 1
+            frame = self._framing.numbered(seq, body)
+            self._sent(seq, frame)
+            wire.write(frame)
         else:
             self._append(body, len(body))
 
@@ -221,21 +246,32 @@ class Outbox:
         a response's deltas all have them or none do)."""
         if self._closed:
             return
-        self.stats.deltas_in += 1
+        self._deltas_in += 1
         wire = self._wire
         if not self._pending and self._writer is None and wire is not None and wire.writable():
-            # The hot path: one token, straight to the socket.
-            self._seq += 1
+            # The hot path: one token, straight to the socket. What _number and _sent do
+            # for any frame, inline (a delta is never the greeting, which goes first).
+            self._seq = seq = self._seq + 1
             if response_id is not self._delta_response or item_id is not self._delta_item:
                 self._new_delta_ids(response_id, item_id)
             if logprobs is None:
-                frame = self._framing.delta(self._seq, self._delta_ids, text)
+                frame = self._framing.delta(seq, self._delta_ids, text)
             else:
-                frame = self._framing.delta_logprobs(self._seq, self._delta_ids, text, logprobs)
-            self._sent(self._seq, frame)
+                frame = self._framing.delta_logprobs(seq, self._delta_ids, text, logprobs)
+            if self.on_sent is not None:
+                self.on_sent(seq, frame)
+            size = len(frame)
+            self._bytes_out += size
+            self._delta_frames += 1
+            if self._replay_limit:
+                self._replay.append(frame)
+                self._replay_bytes += size
+                budget = self._budget
+                budget.used += size
+                if self._replay_bytes > self._replay_limit or budget.used > budget.limit:
+                    self._evict()
             if token_ids and self.on_token_ids is not None:
-                self.on_token_ids(self._seq, token_ids)
-            self.stats.delta_frames_out += 1
+                self.on_token_ids(seq, token_ids)
             wire.write(frame)
             return
         pending = self._open.get(response_id) if self._coalesce else None
@@ -320,7 +356,7 @@ class Outbox:
         first = self._framing.first_sequence_number
         if self.lost or not first - 1 <= last_sequence_number <= self._seq:
             return None
-        first_kept = self._replay_first if self._replay else self._seq + 1
+        first_kept = self.first_kept
         if last_sequence_number + 1 < first_kept:
             return None
         return self._replay[self._replay_head + last_sequence_number + 1 - first_kept :]
@@ -328,7 +364,7 @@ class Outbox:
     @property
     def first_kept(self) -> int:
         """The number of the oldest frame still kept for a replay (the next one if none)."""
-        return self._replay_first if self._replay else self._seq + 1
+        return self._seq + 1 - (len(self._replay) - self._replay_head)
 
     def seed(self, frames: Sequence[tuple[int, bytes]]) -> None:
         """Start from a log another process wrote (a takeover): its numbers go on after
@@ -340,10 +376,9 @@ class Outbox:
         while start > 0 and frames[start - 1][0] == frames[start][0] - 1:
             start -= 1
         kept = frames[start:]
-        self._seq = kept[-1][0]
+        self._seq = self._seq_start = kept[-1][0]
         self._replay = [frame for _, frame in kept]
         self._replay_head = 0
-        self._replay_first = kept[0][0]
         self._replay_bytes = sum(len(frame) for frame in self._replay)
         self._budget.used += self._replay_bytes
 
@@ -352,15 +387,11 @@ class Outbox:
         What is pending stays for the writer to send (a slow reader's last
         ``response.done`` and the close frame), up to the close request."""
         self._budget.used -= self._replay_bytes
-        self._replay.clear()
+        self._replay = []
         self._replay_head = 0
         self._replay_bytes = 0
 
     # -- internals -------------------------------------------------------------------
-
-    def _can_write_now(self) -> bool:
-        wire = self._wire
-        return not self._pending and self._writer is None and wire is not None and wire.writable()
 
     def _append(self, entry: _Entry, size: int) -> None:
         self._pending.append(entry)
@@ -445,7 +476,7 @@ class Outbox:
                 frame = self._framing.delta(seq, self._delta_ids, text)
             else:
                 frame = self._framing.delta_logprobs(seq, self._delta_ids, text, entry.logprobs)
-            self.stats.delta_frames_out += 1
+            self._delta_frames += 1
             self._sent(seq, frame)
             if entry.token_ids and self.on_token_ids is not None:
                 self.on_token_ids(seq, tuple(entry.token_ids))
@@ -461,39 +492,43 @@ class Outbox:
         self._delta_ids = self._framing.delta_ids(response_id, item_id)
 
     def _sent(self, seq: int, frame: bytes) -> None:
-        """Count ``frame`` (numbered ``seq``) and keep it for a resume."""
+        """Count ``frame`` (numbered ``seq``) and keep it for a resume (put_delta's hot
+        path does the same inline)."""
         if self.on_sent is not None:
             self.on_sent(seq, frame)
         size = len(frame)
-        self.stats.frames_out += 1
-        self.stats.bytes_out += size
+        self._bytes_out += size
         # Resume off, or a greeting (Realtime's session.created): a client that did not get
         # it has no session id or token to resume with, so it is never replayed.
         if not self._replay_limit or (
             seq == self._framing.first_sequence_number and not self._replays_first
         ):
             return
-        replay = self._replay
-        if not replay:
-            self._replay_first = seq
-        replay.append(frame)
+        self._replay.append(frame)
         self._replay_bytes += size
         budget = self._budget
         budget.used += size
+        if self._replay_bytes > self._replay_limit or budget.used > budget.limit:
+            self._evict()
+
+    def _evict(self) -> None:
+        """The oldest kept frames go until this buffer and all of them fit their limits."""
+        replay, budget = self._replay, self._budget
+        head = self._replay_head
         while self._replay_bytes > self._replay_limit or budget.used > budget.limit:
-            old = len(replay[self._replay_head])
-            replay[self._replay_head] = b""  # gone: its memory, at once
-            self._replay_head += 1
-            self._replay_first += 1
+            old = len(replay[head])
+            replay[head] = b""  # gone: its memory, at once
+            head += 1
             self._replay_bytes -= old
             budget.used -= old
-            if self._replay_head == len(replay):
+            if head == len(replay):
                 replay.clear()
-                self._replay_head = 0
+                head = 0
                 break
-        if self._replay_head >= 64 and 2 * self._replay_head >= len(replay):
-            del replay[: self._replay_head]
-            self._replay_head = 0
+        if head >= 64 and 2 * head >= len(replay):
+            del replay[:head]  # what is gone leaves the list (a copy of the rest, now and then)
+            head = 0
+        self._replay_head = head
 
     def _check_limits(self) -> None:
         if len(self) > self._max_pending or self._bytes > self._pending_limit:

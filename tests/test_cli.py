@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import logging
 import os
 import re
 import signal
@@ -22,7 +23,14 @@ from pathlib import Path
 
 import pytest
 
-from gateway.__main__ import LOOP_ENV_VAR, LOOPS, _loop_name, build_parser, main
+from gateway.__main__ import (
+    LOOP_ENV_VAR,
+    LOOPS,
+    _loop_name,
+    build_parser,
+    main,
+    redact_secrets,
+)
 
 TIMEOUT = 30.0
 HAS_MODEL = (
@@ -314,3 +322,36 @@ def test_ctrl_c_works_again_after_main_returns(
         assert main(argv) == 1
     assert "already in use" in capsys.readouterr().err
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+SECRET = "ek_" + "A1b2" * 8
+
+
+@pytest.mark.parametrize(
+    ("message", "shown"),
+    [
+        ("authorization: Bearer sk-123&x=1 next", "authorization: Bearer [redacted] next"),
+        ("AUTHORIZATION:bearer  sk-123", "AUTHORIZATION:bearer  [redacted]"),
+        ("X-Resume-Token: rt_abc", "X-Resume-Token: [redacted]"),
+        (
+            "protocols openai-insecure-api-key.sk-1, realtime",
+            "protocols openai-insecure-api-key.[redacted], realtime",
+        ),
+        ("GET /v1/realtime?resume_token=rt_1&x=2", "GET /v1/realtime?resume_token=[redacted]&x=2"),
+        ('{"resume_token": "rt_1"}', '{"resume_token": "[redacted]"}'),
+        (f"client secret {SECRET} minted", "client secret ek_[redacted] minted"),
+        (f"Client Secret {SECRET.upper()}", "Client Secret ek_[redacted]"),
+        (f"caf\u00e9 {SECRET}", "caf\u00e9 ek_[redacted]"),
+        ("X-Re\u017fume-Token: rt_1", "X-Re\u017fume-Token: [redacted]"),
+    ],
+)
+def test_a_log_line_never_shows_a_credential(message: str, shown: str) -> None:
+    record = logging.LogRecord("gateway", logging.INFO, __file__, 1, "%s", (message,), None)
+    assert redact_secrets(record) and record.getMessage() == shown
+
+
+def test_a_line_without_a_credential_is_left_as_it_is() -> None:
+    line = '127.0.0.1:5 "POST /v1/responses" 200 0.001000s request_id=req_1 model="caf\u00e9"'
+    for message in (line, line.replace("caf\u00e9", "cafe"), "ek_short Bearer tokens"):
+        record = logging.LogRecord("gateway", logging.INFO, __file__, 1, message, (), None)
+        assert redact_secrets(record) and record.msg is message

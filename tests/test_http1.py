@@ -163,6 +163,144 @@ def get(path: str, *extra: str) -> bytes:
     ).encode()
 
 
+async def raw_response(reader: asyncio.StreamReader) -> bytes:
+    """One response's bytes as sent (its body by Content-Length, or chunks to the last)."""
+    async with asyncio.timeout(10):
+        head = await reader.readuntil(b"\r\n\r\n")
+        if b"\r\ntransfer-encoding: chunked\r\n" in head.lower():
+            body = b""
+            while not body.endswith(b"\r\n0\r\n\r\n") and body != b"0\r\n\r\n":
+                body += await reader.readuntil(b"\r\n")
+            return head + body
+        length = int(head.lower().partition(b"content-length: ")[2].partition(b"\r\n")[0] or 0)
+        return head + await reader.readexactly(length)
+
+
+# A header of obs-text: h11 takes it, the common-shape reader (request_head.py) does not.
+H11_ONLY = "X-Note: caf\xe9"
+
+
+@pytest.mark.parametrize(
+    "request_lines",
+    [
+        ["GET /healthz HTTP/1.1"],
+        ["GET /nope HTTP/1.1"],
+        ["GET /test/boom HTTP/1.1"],
+        ["POST /test/echo/b?n=3 HTTP/1.1", "Content-Type: text/plain", "Content-Length: 2"],
+        ["DELETE /v1/realtime HTTP/1.1"],
+        ["GET /healthz HTTP/1.1", "Connection: close"],
+        ["GET /healthz HTTP/1.1", "Connection: keep-alive, Close"],
+    ],
+    ids=["json", "404", "500", "post-body", "405", "close", "close-token"],
+)
+async def test_the_common_shape_is_answered_as_h11_answers_it(
+    gw: RouteGateway, request_lines: list[str]
+) -> None:
+    """Requests read without h11 (request_head.py) get the bytes h11 would have written:
+    each sent plain and with a header that only h11 reads, on a connection of its own."""
+    answers = []
+    for extra in ((), (H11_ONLY,)):
+        lines = [request_lines[0], "Host: t", *request_lines[1:], *extra, "", ""]
+        body = b"hi" if "Content-Length: 2" in lines else b""
+        reader, writer = await connect(gw)
+        writer.write("\r\n".join(lines).encode("latin-1") + body)
+        raw = await raw_response(reader)
+        # The request id differs from request to request: the rest may not.
+        start = raw.lower().index(b"x-request-id: ") + len(b"x-request-id: ")
+        answers.append(raw[:start] + raw[raw.index(b"\r\n", start) :])
+        if "close" in "".join(request_lines).lower():
+            assert await closed(reader)
+        else:  # kept alive: a second request on it is answered too
+            writer.write(get("/healthz"))
+            assert (await read_response(reader))[0] == 200
+        writer.close()
+    assert answers[0] == answers[1]
+
+
+async def test_a_stream_read_without_h11_is_chunked_as_h11_chunks_it(gw: RouteGateway) -> None:
+    answers = []
+    for extra in ((), (H11_ONLY,)):
+        reader, writer = await connect(gw)
+        writer.write(get("/test/wait", *extra))
+        async with asyncio.timeout(10):
+            head = await reader.readuntil(b"\r\n\r\n")
+            size = await reader.readuntil(b"\r\n")
+            first = size + await reader.readexactly(int(size, 16) + 2)
+        start = head.lower().index(b"x-request-id: ") + len(b"x-request-id: ")
+        answers.append(head[:start] + head[head.index(b"\r\n", start) :] + first)
+        writer.close()
+        await gw.finished.wait()
+        gw.finished.clear()
+    assert answers[0] == answers[1]
+    assert b"\r\nTransfer-Encoding: chunked\r\n" in answers[0]
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"GET /healthz HTTP/1.1\nHost: t\n\n", 200),
+        (b"GET /healthz HTTP/1.1\r\nHost: t\n\r\n", 200),
+        (
+            b"POST /test/echo/x HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n"
+            b"Content-Length: 3\r\n\r\nhi",
+            400,
+        ),
+        (b"POST /test/echo/x HTTP/1.1\r\nHost: t\r\nContent-Length : 2\r\n\r\nhi", 400),
+        (b"POST /test/echo/x HTTP/1.1\r\nHost: t\r\nContent-Length: -2\r\n\r\nhi", 400),
+        (b"POST /test/echo/x HTTP/1.1\r\nHost: t\r\nContent-Length: +2\r\n\r\nhi", 400),
+        (b"GET /healthz HTTP/1.1\r\nHost: t\rX: y\r\n\r\n", 400),
+        (b"GET /healthz HTTP/1.1\r\nHost: t\r\nX: a\x00b\r\n\r\n", 400),
+        (
+            b"POST /test/echo/x HTTP/1.1\r\nHost: t\r\nContent-Length: 99999999999999999999"
+            b"\r\n\r\n",
+            413,
+        ),
+    ],
+    ids=[
+        "lf",
+        "lf-then-crlf",
+        "two-lengths",
+        "space-before-colon",
+        "negative",
+        "plus",
+        "bare-cr",
+        "nul",
+        "huge-length",
+    ],
+)
+async def test_what_the_common_shape_reader_passes_on_h11_answers(
+    gw: RouteGateway, request_bytes: bytes, status: int
+) -> None:
+    """Heads the common-shape reader (request_head.py) does not take go to h11 whole: a
+    bare LF is served, and what could desynchronise a proxy's framing from ours is refused."""
+    reader, writer = await connect(gw)
+    writer.write(request_bytes)
+    assert (await read_response(reader))[0] == status
+    if status >= 400:
+        assert await closed(reader)
+    writer.close()
+
+
+async def test_a_request_sent_a_byte_at_a_time_then_one_pipelined_in_the_same_read(
+    gw: RouteGateway,
+) -> None:
+    reader, writer = await connect(gw)
+    first = b"POST /test/echo/a HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\nhi"
+    for i in range(len(first) - 1):
+        writer.write(first[i : i + 1])
+        await writer.drain()
+    # Its last byte arrives with the whole of the next request (and the start of a third).
+    writer.write(
+        first[-1:] + b"POST /test/echo/b HTTP/1.1\r\nHost: t\r\nContent-Length: 1\r\n\r\nx"
+    )
+    writer.write(b"GET /healthz HTTP/1.1\r\nHo")
+    assert (await read_response(reader))[2] == b'{"name":"a","n":null,"body":"hi"}'
+    assert (await read_response(reader))[2] == b'{"name":"b","n":null,"body":"x"}'
+    writer.write(b"st: t\r\n\r\n")
+    assert (await read_response(reader))[0] == 200
+    writer.close()
+
+
 async def test_two_requests_on_one_connection(gw: RouteGateway) -> None:
     reader, writer = await connect(gw)
     for _ in range(2):

@@ -1,22 +1,23 @@
-"""The ceiling baseline: a bare ``websockets`` server pushing the gateway's frames.
+"""The bare websockets baseline: a plain ``websockets`` server, a task per stream that sends
+the gateway's frames with ``await ws.send``.
 
-No gateway logic at all: no session actor, no scheduler, no engine, no outbox,
-no metrics. It answers the load generator's turns with the same event sequence
-and the same JSON delta events (the same fields, the SimEngine's own words, so
-the same sizes), one delta frame per token, on the sim engine's schedule: one
-shared step clock whose steps fall due on a fixed clock, missed steps counted at
-once when the loop comes back late (each stream then sends every token it is owed,
-still one frame each), exactly as SimEngine's step loop does; ``--step-ms 0``
-sends as fast as it can. What it reaches is the most a Python websockets server
-on this machine can send, and the latency it adds is what the socket layer alone
-costs.
+No gateway logic at all: no session actor, no scheduler, no engine, no outbox, no
+metrics. It answers the load generator's Realtime turns with the same event sequence
+and the same JSON delta events (the same fields, the SimEngine's own words, so the same
+sizes), one delta frame per token, each built with ``orjson.dumps`` and sent by
+``await ws.send``: what a server written plainly on websockets costs. It is "bare", not
+the floor (bench/baselines/floor_server.py is that: prebuilt frames, one loop turn, no
+task per stream).
+
+Flat out (``--step-ms 0``) a stream sends its frames back to back, with no step clock
+(``ws.send`` waits only while the socket pushes back). With ``--step-ms`` above 0 it
+keeps the sim engine's schedule, so that latency scenarios compare servers, not clocks:
+one shared step clock whose steps fall due on a fixed clock, missed steps counted at
+once when the loop comes back late (each stream then sends every token it is owed, still
+one frame each), exactly as SimEngine's step loop does.
 
 It runs on the event loop the gateway would (``--loop``, the same default), so
 that a comparison is between servers, not loops.
-
-``--floor`` makes it the floor instead: each delta frame built from a bytes template
-and written with ``transport.write`` alone (a server's text frame header, then the
-bytes), no ``ws.send``: what no server sending one frame per token can go below.
 
 Run: ``python -m bench.baselines.bare_server --port 8800 --step-ms 20 --response-tokens 64``
 """
@@ -38,13 +39,6 @@ from bench.loadgen import raise_nofile
 from gateway.__main__ import LOOPS, default_loop, loop_factory
 from gateway.engines.sim import _MAX_CATCH_UP as MAX_CATCH_UP  # the same catch-up cap
 from gateway.engines.sim import answer_tokens
-from gateway.transport.wire import text_frame_header
-
-# --floor's delta frame: the fields _frame would write, in its order, from bytes.
-_DELTA = (
-    b'{"type":"response.output_text.delta","event_id":"%b","response_id":"%b",'
-    b'"item_id":"%b","output_index":0,"content_index":0,"delta":%b}'
-)
 
 _ids = itertools.count(1)
 
@@ -146,25 +140,10 @@ def _response(rid: str, status: str, output: list[Any], usage: Any) -> dict[str,
 
 
 class BareServer:
-    def __init__(self, step_ms: float, response_tokens: int, floor: bool = False) -> None:
+    def __init__(self, step_ms: float, response_tokens: int) -> None:
         self.ticker = Ticker(step_ms / 1000)
         self.response_tokens = response_tokens
         self.turns = 0
-        self.floor = floor
-
-    def write_delta(self, ws: ServerConnection, ids: dict[str, Any], token: str) -> bool:
-        """--floor: the delta frame straight to the transport (False: it has no room)."""
-        transport = ws.transport
-        if transport.get_write_buffer_size() < 1 << 16:
-            frame = _DELTA % (
-                _id("event").encode(),
-                ids["response_id"].encode(),
-                ids["item_id"].encode(),
-                orjson.dumps(token),
-            )
-            transport.write(text_frame_header(len(frame)) + frame)
-            return True
-        return False
 
     async def handle(self, ws: ServerConnection) -> None:
         await ws.send(
@@ -201,21 +180,16 @@ class BareServer:
         tokens = answer_tokens(prompt, self.response_tokens)
         sent: list[str] = []
         status = "completed"
-        seen = self.ticker.join()
         try:
-            while len(sent) < len(tokens):
-                now = await self.ticker.wait(seen)
-                # One token per step since the last look, each in a frame of its own.
-                for token in tokens[len(sent) : len(sent) + now - seen]:
-                    if not (self.floor and self.write_delta(ws, ids, token)):
-                        delta = _frame("response.output_text.delta", **ids, delta=token)
-                        await ws.send(delta, text=True)
+            if self.ticker.step_s <= 0:
+                for token in tokens:  # flat out: no clock, each frame as soon as it can go
+                    delta = _frame("response.output_text.delta", **ids, delta=token)
+                    await ws.send(delta, text=True)
                     sent.append(token)
-                seen = now
+            else:
+                await self._on_clock(ws, ids, tokens, sent)
         except asyncio.CancelledError:
             status = "cancelled"
-        finally:
-            self.ticker.leave()
         text = "".join(sent)
         usage = {"input_tokens": 10, "output_tokens": len(sent), "total_tokens": 10 + len(sent)}
         item = _item(item_id, "assistant", text, "completed")
@@ -227,8 +201,25 @@ class BareServer:
         ):
             await ws.send(frame, text=True)
 
+    async def _on_clock(
+        self, ws: ServerConnection, ids: dict[str, Any], tokens: list[str], sent: list[str]
+    ) -> None:
+        """One token per step of the shared clock, each in a frame of its own."""
+        seen = self.ticker.join()
+        try:
+            while len(sent) < len(tokens):
+                now = await self.ticker.wait(seen)
+                for token in tokens[len(sent) : len(sent) + now - seen]:
+                    delta = _frame("response.output_text.delta", **ids, delta=token)
+                    await ws.send(delta, text=True)
+                    sent.append(token)
+                seen = now
+        finally:
+            self.ticker.leave()
 
-def _http(connection: ServerConnection, request: Request) -> Response | None:
+
+def ready_route(connection: ServerConnection, request: Request) -> Response | None:
+    """``GET /readyz`` (and any plain GET) answers; a WebSocket upgrade goes on."""
     if "websocket" in request.headers.get("Upgrade", "").lower():
         return None
     body = b'{"ready": true}'
@@ -237,7 +228,7 @@ def _http(connection: ServerConnection, request: Request) -> Response | None:
 
 
 async def main(args: argparse.Namespace) -> None:
-    bare = BareServer(args.step_ms, args.response_tokens, args.floor)
+    bare = BareServer(args.step_ms, args.response_tokens)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -246,7 +237,7 @@ async def main(args: argparse.Namespace) -> None:
         bare.handle,
         "127.0.0.1",
         args.port,
-        process_request=_http,
+        process_request=ready_route,
         compression=None,
         max_size=1 << 20,
         close_timeout=2,
@@ -260,7 +251,6 @@ if __name__ == "__main__":
     parser.add_argument("--step-ms", type=float, default=20.0)
     parser.add_argument("--response-tokens", type=int, default=64)
     parser.add_argument("--loop", choices=LOOPS, default=default_loop())
-    parser.add_argument("--floor", action="store_true", help="deltas by transport.write alone")
     arguments = parser.parse_args()
     raise_nofile()
     with asyncio.Runner(loop_factory=loop_factory(arguments.loop)) as runner:

@@ -1,13 +1,19 @@
-"""The floor of an SSE stream: a bare asyncio protocol answering ``POST /v1/responses``
-with the FastAPI baseline's events (bench/baselines/fastapi_sse_server.py's ``stream``:
-the same sequence, the same delta template, the same step clock), each event one HTTP
-chunk written with ``transport.write`` and nothing else: no framework, no HTTP library
-beyond finding the end of the request head and its Content-Length.
+"""The floor of an SSE stream: one loop turn writes one prebuilt event (a whole HTTP chunk)
+to every active stream with ``transport.write``, and nothing else.
+
+A bare asyncio protocol answers ``POST /v1/responses`` and ``POST /v1/chat/completions``
+(keep-alive, one request at a time per connection) with a prebuilt streamed answer
+(bench/baselines/prebuilt.py: the gateway's events and chunks, the sim's words): the
+response head with the opening events in one write, then one event per token, each one
+HTTP chunk in one write, then the closing events with the body's end in one write. The
+deltas go out from :class:`~bench.baselines.prebuilt.Pump`, one callback per loop turn
+for every active stream: no task per stream, no await per event, no JSON, no framework,
+no HTTP library beyond finding the end of a request and its Content-Length.
 
 What no server streaming one event per token can go below on this loop: the gap
-between it and the gateway is what the gateway's sessions, scheduler and outbox cost.
+between it and the gateway is everything the gateway does per token.
 
-Run: ``python -m bench.baselines.floor_sse_server --port 8803 --step-ms 0 --response-tokens 300``
+Run: ``python -m bench.baselines.floor_sse_server --port 8803 --response-tokens 300``
 """
 
 from __future__ import annotations
@@ -18,26 +24,23 @@ import contextlib
 import signal
 from typing import cast
 
-import orjson
-
-from bench.baselines.fastapi_sse_server import Answers, _id, stream
+from bench.baselines import prebuilt
 from bench.loadgen import raise_nofile
 from gateway.__main__ import LOOPS, default_loop, loop_factory
 
-_HEAD = (
-    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
-    b"transfer-encoding: chunked\r\n\r\n"
-)
 _READY = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 15\r\n\r\n"
 _READY += b'{"ready": true}'
+_NOT_FOUND = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
 
 
 class FloorConnection(asyncio.Protocol):
-    def __init__(self, answers: Answers) -> None:
+    def __init__(self, pump: prebuilt.Pump, answers: dict[bytes, prebuilt.Answer]) -> None:
+        self.pump = pump
         self.answers = answers
         self.transport: asyncio.Transport | None = None
         self.buffer = b""
-        self.task: asyncio.Task[None] | None = None
+        self.stream: prebuilt.Stream | None = None
+        self.paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
@@ -46,9 +49,15 @@ class FloorConnection(asyncio.Protocol):
         self.buffer += data
         self._next()
 
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+
     def _next(self) -> None:
         """Serve the request the buffer holds whole, if no answer is under way."""
-        if self.task is not None:
+        if self.stream is not None:
             return
         end = self.buffer.find(b"\r\n\r\n")
         if end < 0:
@@ -57,37 +66,39 @@ class FloorConnection(asyncio.Protocol):
         length = 0
         at = head.find(b"content-length:")
         if at >= 0:
-            length = int(head[at + 15 : head.find(b"\r\n", at) if b"\r\n" in head[at:] else None])
+            eol = head.find(b"\r\n", at)
+            length = int(head[at + 15 : eol if eol >= 0 else None])
         if len(self.buffer) < end + 4 + length:
             return
-        body, self.buffer = self.buffer[end + 4 : end + 4 + length], self.buffer[end + 4 + length :]
+        self.buffer = self.buffer[end + 4 + length :]
         assert self.transport is not None
-        if head.startswith(b"get /readyz"):
-            self.transport.write(_READY)
+        path = head[head.find(b" ") + 1 : head.find(b" ", head.find(b" ") + 1)]
+        answer = self.answers.get(path) if head.startswith(b"post ") else None
+        if answer is None:
+            self.transport.write(_READY if path == b"/readyz" else _NOT_FOUND)
             return
-        self.task = asyncio.get_running_loop().create_task(self._answer(orjson.loads(body)))
+        self.transport.write(answer.head)
+        self.stream = prebuilt.Stream(self, self.transport, answer.deltas, answer.tail, self._done)
+        self.pump.add(self.stream)
 
-    async def _answer(self, body: dict[str, object]) -> None:
-        transport = self.transport
-        assert transport is not None
-        transport.write(_HEAD)
-        prompt = body["input"] if isinstance(body.get("input"), str) else ""
-        tokens = self.answers.tokens(body)
-        async for event in stream(self.answers, body, tokens, _id("resp"), _id("item"), prompt):
-            transport.write(b"%x\r\n%b\r\n" % (len(event), event))
-        transport.write(b"0\r\n\r\n")
-        self.task = None
-        self._next()
+    def _done(self) -> None:
+        self.stream = None
+        self._next()  # a request that came meanwhile
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.task is not None:
-            self.task.cancel()
+        if self.stream is not None:
+            self.stream.gone()
 
 
-async def serve(port: int, answers: Answers) -> None:
+async def serve(port: int, response_tokens: int) -> None:
+    pump = prebuilt.Pump()
+    answers = {
+        b"/v1/responses": prebuilt.responses_sse(response_tokens),
+        b"/v1/chat/completions": prebuilt.chat_sse(response_tokens),
+    }
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
-        lambda: FloorConnection(answers), "127.0.0.1", port, backlog=4096
+        lambda: FloorConnection(pump, answers), "127.0.0.1", port, backlog=4096
     )
     stop = loop.create_future()
     loop.add_signal_handler(signal.SIGTERM, stop.set_result, None)
@@ -99,13 +110,15 @@ async def serve(port: int, answers: Answers) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=8803)
-    parser.add_argument("--step-ms", type=float, default=0.0)
+    parser.add_argument("--step-ms", type=float, default=0.0, help="accepted; only 0 is served")
     parser.add_argument("--response-tokens", type=int, default=300)
     parser.add_argument("--loop", choices=LOOPS, default=default_loop())
     args = parser.parse_args()
+    if args.step_ms:
+        parser.error("the floor runs flat out only (--step-ms 0)")
     raise_nofile()
     with asyncio.Runner(loop_factory=loop_factory(args.loop)) as runner:
-        runner.run(serve(args.port, Answers(args.step_ms, args.response_tokens)))
+        runner.run(serve(args.port, args.response_tokens))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,14 @@ async def answer(
 ) -> None:
     """Answer ``command`` in a new session of ``dialect`` (whose observer is ``waiter``):
     as a stream whose messages ``stream`` frames, or (None) as one JSON object."""
-    session = table.open(*dialect, replay_bytes=0, kept=False, tenant=tenant, origin=request.record)
+    session = table.open(
+        *dialect,
+        replay_bytes=0,
+        kept=False,
+        tenant=tenant,
+        origin=request.record,
+        unread=stream is None,  # the handler waits for the one object: no event is read
+    )
     try:
         await session.deliver(command)
         try:

@@ -102,6 +102,8 @@ class ResponsesHttp(HttpApi):
             kept=body.background,  # a plain answer dies with its request: no one resumes it
             tenant=tenant,
             origin=request.record,
+            # One-shot: the handler waits for the Response object; no event is read.
+            unread=not body.stream and not body.background,
         )
         await session.deliver(rp.Create(body))
         try:

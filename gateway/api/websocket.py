@@ -261,6 +261,8 @@ class WebSocketEndpoint:
         ``session.created``, the session going on with the served model (OpenAI's clients
         always name one there)."""
         path = ws.request.path if ws.request is not None else ""
+        if not session.limits.served_models or "?" not in path:
+            return  # any model name is served, or none is named
         query = urllib.parse.parse_qs(urllib.parse.urlsplit(path).query)
         try:
             for name in query.get("model", [])[:1]:
@@ -358,9 +360,10 @@ class WebSocketEndpoint:
         # else: resumed on another connection meanwhile; nothing here is ours to end.
         # websockets closes the socket when this handler returns: first let a close the
         # outbox started (1001 at shutdown, 1008, 4001) reach the client.
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(0.5 if ws.close_code is not None else 2.5):
-                await wire.closed()
+        if wire.closing:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.5 if ws.close_code is not None else 2.5):
+                    await wire.closed()
 
     async def _watch_stalls(self) -> None:
         """Close connections whose client stopped reading: see :meth:`SocketWire.check_stall`.

@@ -102,6 +102,7 @@ _WORDS = (
     "déjà",
     "naïve",
 )
+_WORD_BITS = len(_WORDS).bit_length()
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
 _MESSAGE_OVERHEAD = 4  # like a chat template's role markers
 _MAX_CATCH_UP = 50  # missed steps run back to back after the event loop was away
@@ -156,7 +157,14 @@ def raw_prompt(request: GenerationRequest) -> tuple[str, int]:
 def answer_tokens(prompt: str, length: int) -> list[str]:
     """The deterministic answer to ``prompt``: ``length`` tokens, a word and its space each."""
     rng = random.Random(hashlib.sha256(prompt.encode()).digest())
-    words = [rng.choice(_WORDS) for _ in range(length)]
+    # rng.choice(_WORDS) for each word, inline (the same draws, two calls less a word).
+    bits, count, size = rng.getrandbits, len(_WORDS), _WORD_BITS
+    words = []
+    for _ in range(length):
+        r = bits(size)
+        while r >= count:
+            r = bits(size)
+        words.append(_WORDS[r])
     tokens = [(" " if i else "") + w for i, w in enumerate(words)]
     if tokens:
         tokens[0] = tokens[0].capitalize()
@@ -428,7 +436,10 @@ class SimEngine(Engine):
             answer_room = min(budget or self.response_tokens, self.context_tokens // 2)
             messages, _ = fit_to_context(messages, count_tokens, self.context_tokens - answer_room)
         prompt, prompt_tokens = render(messages), count_tokens(messages)
-        if calls := tool_call_plan(replace(request, messages=tuple(messages))):
+        fitted = (
+            request if messages is request.messages else replace(request, messages=tuple(messages))
+        )
+        if calls := tool_call_plan(fitted):
             return list(calls), "tool_calls", prompt_tokens, prompt
         if request.constraint is not None:
             answer = formatted_answer(request.constraint, prompt)
@@ -485,6 +496,8 @@ class SimEngine(Engine):
         out: list[StepOutput] = []
         ended: list[str] = []
         running = 0
+        faults = self.fail_after is not None or self.stall_after is not None
+        generated = 0
         for stream in self._streams.values():
             if stream.aborted:
                 usage = Usage(stream.usage_in, stream.generated)
@@ -492,8 +505,20 @@ class SimEngine(Engine):
                 ended.append(stream.request_id)
             elif running < self.max_batch:
                 running += 1
-                if self._advance(stream, out):
+                tokens = stream.tokens
+                if (
+                    stream.generated
+                    and len(tokens) > 1
+                    and not faults
+                    and stream.prompt_logprobs is None
+                ):
+                    # _advance's common case, inline: a token, and more to come.
+                    stream.generated += 1
+                    generated += 1
+                    out.append((stream.request_id, tokens.popleft()))
+                elif self._advance(stream, out):
                     ended.append(stream.request_id)
+        self.tokens_generated += generated
         for request_id in ended:
             del self._streams[request_id]
         if out:

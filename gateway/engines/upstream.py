@@ -35,13 +35,12 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
-import importlib.util
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
@@ -66,6 +65,10 @@ from gateway.engines.base import (
     chat_messages,
     clamp_logprob,
 )
+from gateway.engines.http_client import HttpError, Pool, Response
+from gateway.engines.http_client import ReadError as _ReadError
+from gateway.engines.http_client import RemoteProtocolError as _RemoteProtocolError
+from gateway.engines.http_client import WriteError as _WriteError
 from gateway.engines.openai_chat import (
     choice_logprobs,
     logprobs_body,
@@ -73,9 +76,6 @@ from gateway.engines.openai_chat import (
     tool_call_deltas,
     tools_body,
 )
-
-if TYPE_CHECKING:
-    import httpx
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class Replica:
 
     url: str
     slots: int  # what /props reported, else --upstream-slots
-    client: httpx.AsyncClient | None = None
+    client: Pool | None = None  # its connections (gateway/engines/http_client.py)
     model: str | None = None
     healthy: bool = False
     outstanding: int = 0  # this process's requests in flight there
@@ -238,19 +238,16 @@ class UpstreamEngine(StreamingEngine):
         A second call (also one made while the first still probes) does nothing:
         it must not open a second set of pools or a second health task.
         """
-        import httpx
-
         if any(r.client is not None for r in self.replicas):
             return
-        quiet_httpx_logs()
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         for replica in self.replicas:
-            replica.client = httpx.AsyncClient(
-                base_url=replica.url,
+            # Reached directly, never through a proxy from the environment.
+            replica.client = Pool(
+                replica.url,
                 headers=headers,
-                timeout=httpx.Timeout(self.read_timeout, connect=CONNECT_TIMEOUT, pool=None),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-                trust_env=False,  # a fleet is reached directly, never through a proxy from env
+                connect_timeout=CONNECT_TIMEOUT,
+                read_timeout=self.read_timeout,
             )
         await asyncio.gather(*(self._probe(r) for r in self.replicas))
         healthy = sum(r.healthy for r in self.replicas)
@@ -270,7 +267,7 @@ class UpstreamEngine(StreamingEngine):
             self._health_task = None
         for replica in self.replicas:
             if replica.client is not None:
-                await replica.client.aclose()
+                await replica.client.close()
                 replica.client = None
 
     # -- health ----------------------------------------------------------------
@@ -289,13 +286,11 @@ class UpstreamEngine(StreamingEngine):
             await asyncio.sleep(max(0.0, wake_at - time.monotonic()))
 
     async def _probe(self, replica: Replica) -> None:
-        import httpx
-
         try:
             reason = await self._check(replica)
             if reason is None and not replica.healthy:
                 await self._discover(replica)
-        except httpx.HTTPError as exc:
+        except HttpError as exc:
             reason = _describe_error(exc)
         if reason is not None:
             self._mark_down(replica, reason)
@@ -312,19 +307,18 @@ class UpstreamEngine(StreamingEngine):
     async def _check(self, replica: Replica) -> str | None:
         """None if the replica answers its health route; else why not."""
         assert replica.client is not None
-        response = await _get(replica.client, replica.health_path)
-        if response.status_code == 404 and replica.health_path == "/health":
+        status, _ = await _get(replica.client, replica.health_path)
+        if status == 404 and replica.health_path == "/health":
             replica.health_path = "/v1/models"  # no /health here: the model list will do
-            response = await _get(replica.client, replica.health_path)
-        if response.status_code != 200:
-            return f"GET {replica.health_path} answered {response.status_code}"
+            status, _ = await _get(replica.client, replica.health_path)
+        if status != 200:
+            return f"GET {replica.health_path} answered {status}"
         return None
 
     async def _discover(self, replica: Replica) -> None:
         """Learn the slot count (llama.cpp's /props) and the served model, where offered."""
         assert replica.client is not None
-        props = await _get(replica.client, "/props")
-        slots = _json_field(props, "total_slots")
+        slots = _json_field(await _get(replica.client, "/props"), "total_slots")
         if isinstance(slots, int) and slots > 0:
             replica.slots = slots
             if self.continuation == "auto":
@@ -469,8 +463,6 @@ class UpstreamEngine(StreamingEngine):
         """How many tokens ``text`` is, by ``replica``'s own tokenizer (``POST /tokenize``:
         llama.cpp's shape for a prefilling replica, vLLM's and SGLang's otherwise); where it
         cannot tell, an estimate of :data:`CHARS_PER_TOKEN` characters a token."""
-        import httpx
-
         estimate = max(1, len(text) // CHARS_PER_TOKEN)
         client = replica.client
         if client is None:
@@ -481,15 +473,20 @@ class UpstreamEngine(StreamingEngine):
             body = {"prompt": text, "add_special_tokens": False}
             if model := self.model or replica.model:
                 body["model"] = model
-        post = client.build_request(
-            "POST", TOKENIZE_PATH, content=orjson.dumps(body), timeout=PROBE_TIMEOUT
-        )
         tokens = None
         try:
-            response = await _send(client, post, stream=False)
+            response = await _send(
+                client,
+                "POST",
+                TOKENIZE_PATH,
+                body=orjson.dumps(body),
+                headers={"Content-Type": "application/json"},
+                io_timeout=PROBE_TIMEOUT,
+            )
+            answer = await response.read()
             if response.status_code == 200:
-                tokens = orjson.loads(response.content).get("tokens")
-        except (httpx.HTTPError, orjson.JSONDecodeError, AttributeError):
+                tokens = orjson.loads(answer).get("tokens")
+        except (HttpError, orjson.JSONDecodeError, AttributeError):
             pass
         if not isinstance(tokens, list):
             log.info("upstream %s cannot count tokens: the answer so far is estimated", replica.url)
@@ -521,8 +518,6 @@ class UpstreamEngine(StreamingEngine):
         """The body to the least loaded healthy replica's ``/v1/embeddings``, and its answer
         as it came; the next replica when one cannot be reached. None when the replica
         serves no embeddings."""
-        import httpx
-
         self._check_ready()
         tried: list[Replica] = []
         while (replica := self.router.choose(None, tried)) is not None:
@@ -531,18 +526,18 @@ class UpstreamEngine(StreamingEngine):
             headers = {"Content-Type": "application/json"}
             replica.outstanding += 1
             try:
-                post = replica.client.build_request(
-                    "POST", EMBEDDINGS_PATH, content=body, headers=headers
+                response = await _send(
+                    replica.client, "POST", EMBEDDINGS_PATH, body=body, headers=headers
                 )
-                response = await _send(replica.client, post, stream=False)
-            except httpx.HTTPError as exc:
+                content = await response.read()
+            except HttpError as exc:
                 self._mark_down(replica, _describe_error(exc))
                 continue
             finally:
                 replica.outstanding -= 1
             if response.status_code in NO_EMBEDDINGS:
                 return None
-            return response.status_code, response.content
+            return response.status_code, content
         detail = f"{len(tried)} tried, all failed" if tried else "none is healthy"
         raise EngineError("upstream_unavailable", f"no upstream server could answer ({detail})")
 
@@ -557,8 +552,6 @@ class UpstreamEngine(StreamingEngine):
         self, replica: Replica, request: GenerationRequest, earlier_tokens: int = 0
     ) -> AsyncGenerator[StreamEvent, None]:
         """One attempt on one replica; transport trouble becomes :class:`_ReplicaFailed`."""
-        import httpx
-
         client = replica.client
         if client is None:  # stream() checks readiness first; this guards the use itself
             raise EngineError(
@@ -568,22 +561,18 @@ class UpstreamEngine(StreamingEngine):
         headers.update(request.trace_context)  # the gateway's span is the parent upstream
         if self.affinity_header is not None and request.affinity_key is not None:
             headers[self.affinity_header] = affinity_id(request.affinity_key)
-        post = client.build_request(
-            "POST",
-            CHAT_PATH if request.prompt is None else COMPLETIONS_PATH,
-            content=orjson.dumps(self._body(replica, request, earlier_tokens)),
-            headers=headers,
-        )
+        path = CHAT_PATH if request.prompt is None else COMPLETIONS_PATH
+        body = orjson.dumps(self._body(replica, request, earlier_tokens))
         try:
-            response = await _send(client, post, stream=True)
+            response = await _send(client, "POST", path, body=body, headers=headers)
             try:
                 if response.status_code != 200:
-                    raise _status_error(response.status_code, await response.aread())
+                    raise _status_error(response.status_code, await response.read())
                 async for event in _events(response, request.sampling.logprobs):
                     yield event
             finally:
                 await response.aclose()  # pools the connection only if the body was read to its end
-        except httpx.HTTPError as exc:
+        except HttpError as exc:
             raise _ReplicaFailed(_describe_error(exc)) from exc
 
     def _body(
@@ -648,8 +637,14 @@ class UpstreamEngine(StreamingEngine):
 
 
 async def _send(
-    client: httpx.AsyncClient, request: httpx.Request, *, stream: bool
-) -> httpx.Response:
+    client: Pool,
+    method: str,
+    path: str,
+    *,
+    body: bytes = b"",
+    headers: dict[str, str] | None = None,
+    io_timeout: float | None = None,
+) -> Response:
     """Send ``request``; once more if the server dropped the connection without answering.
 
     A kept-alive connection can be closed by the server just as it is reused:
@@ -660,24 +655,20 @@ async def _send(
     so the second try goes out on another. A replica that is really gone fails
     that one too (a refused connection), and only then counts as down.
     """
-    import httpx
-
     try:
-        return await client.send(request, stream=stream)
-    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-        log.debug("upstream %s dropped a connection unanswered (%s)", request.url, exc)
-        return await client.send(request, stream=stream)
+        return await client.request(method, path, body=body, headers=headers, io_timeout=io_timeout)
+    except (_RemoteProtocolError, _ReadError, _WriteError) as exc:
+        log.debug("upstream %s dropped a connection unanswered (%s)", path, exc)
+        return await client.request(method, path, body=body, headers=headers, io_timeout=io_timeout)
 
 
-async def _get(client: httpx.AsyncClient, path: str) -> httpx.Response:
-    return await _send(
-        client, client.build_request("GET", path, timeout=PROBE_TIMEOUT), stream=False
-    )
+async def _get(client: Pool, path: str) -> tuple[int, bytes]:
+    """A probe's GET: its status and body, within PROBE_TIMEOUT."""
+    response = await _send(client, "GET", path, io_timeout=PROBE_TIMEOUT)
+    return response.status_code, await response.read()
 
 
-async def _events(
-    response: httpx.Response, logprobs: int | None = None
-) -> AsyncIterator[StreamEvent]:
+async def _events(response: Response, logprobs: int | None = None) -> AsyncIterator[StreamEvent]:
     """Server-sent ``chat.completion.chunk`` (or ``text_completion``) events -> deltas,
     then one Finished. ``logprobs``: the request's (each delta then carries its text's,
     from the chunk).
@@ -691,7 +682,7 @@ async def _events(
     usage: Usage | None = None
     deltas = 0
     done = False
-    async for line in response.aiter_lines():
+    async for line in response.lines():
         if done:
             continue  # nothing is expected after [DONE]; read on to the end of the body
         name, _, payload = line.partition(":")
@@ -866,23 +857,17 @@ def _describe_error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def _json_field(response: httpx.Response, name: str | None = None) -> Any:
-    if response.status_code != 200:
+def _json_field(answer: tuple[int, bytes], name: str | None = None) -> Any:
+    status, content = answer
+    if status != 200:
         return None
     try:
-        parsed = orjson.loads(response.content)
+        parsed = orjson.loads(content)
     except orjson.JSONDecodeError:
         return None
     if name is None:
         return parsed
     return parsed.get(name) if isinstance(parsed, dict) else None
-
-
-def quiet_httpx_logs() -> None:
-    """httpx logs every request at INFO: a health probe every few seconds would flood the log."""
-    httpx_log = logging.getLogger("httpx")
-    if httpx_log.level == logging.NOTSET and not log.isEnabledFor(logging.DEBUG):
-        httpx_log.setLevel(logging.WARNING)
 
 
 def _base_url(url: str) -> str:
@@ -897,7 +882,7 @@ def _base_url(url: str) -> str:
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
-    """Register the engine's flags (httpx is imported only when the engine starts)."""
+    """Register the engine's flags."""
     group.add_argument(
         "--upstream",
         action="append",
@@ -942,8 +927,6 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
 
 
 def from_args(args: argparse.Namespace) -> UpstreamEngine:
-    if importlib.util.find_spec("httpx") is None:
-        raise EngineUnavailableError("the upstream engine needs httpx: pip install httpx")
     if not args.upstream:
         raise EngineUnavailableError(
             "the upstream engine needs --upstream URL (repeatable), "

@@ -1,5 +1,6 @@
-"""HTTP/1.1 on the WebSocket port: h11 parses every request; a WebSocket upgrade goes
-on to websockets untouched.
+"""HTTP/1.1 on the WebSocket port: h11 parses every request but the common shape (see
+gateway/transport/request_head.py, which reads and answers those without it); a
+WebSocket upgrade goes on to websockets untouched.
 
 Who owns what:
 
@@ -11,7 +12,9 @@ Who owns what:
 - :class:`HttpConnection` (the transport's asyncio protocol until an upgrade): the h11
   state machine, one timer (handshake, body or keep-alive idle timeout), and the task
   of the request in progress. Requests are answered one at a time, in order (h11
-  pauses on a pipelined request until the response before it has ended).
+  pauses on a pipelined request until the response before it has ended). A request
+  of the common shape is read and answered without h11 (h11 sees none of it, and is
+  at the start of a cycle for the next one); any other goes to h11 from its first byte.
 - On ``GET`` with ``Upgrade: websocket`` to a WebSocket path, the connection builds the
   ``ServerConnection`` websockets would have built, hands it the transport
   (``transport.set_protocol``) and every byte of the request as received, and is out
@@ -41,6 +44,7 @@ from websockets.datastructures import Headers
 from websockets.server import ServerProtocol
 
 from gateway.observability import REQUEST_ID, Observability, Record, peer_address
+from gateway.transport import request_head
 from gateway.transport.coalesce import CoalescedWrites, WriteBatch
 from gateway.transport.head_timers import Pending
 
@@ -112,11 +116,14 @@ class HttpReply:
 
     __slots__ = (
         "_connection",
+        "_direct",
         "_gone",
         "_head_only",
+        "_left",
         "_over",
         "_request_id",
         "_streaming",
+        "closes",
         "disconnected",
         "ended",
         "error_body",
@@ -124,11 +131,21 @@ class HttpReply:
     )
 
     def __init__(
-        self, connection: HttpConnection, *, head_only: bool, request_id: str = ""
+        self,
+        connection: HttpConnection,
+        *,
+        head_only: bool,
+        request_id: str = "",
+        direct: bool | None = None,
     ) -> None:
         self._connection = connection
         self._head_only = head_only
         self._request_id = request_id  # its x-request-id header
+        # Written without h11 (a request read without it, request_head.py): whether the
+        # request keeps the connection alive; None: h11 writes this response.
+        self._direct = direct
+        self._left = 0  # what a direct response's Content-Length still owes
+        self.closes = False  # a direct response said Connection: close
         self.error_body: bytes | None = None  # an error's body, for the access log
         self._over = False  # the handler has returned: this reply may write no more
         # A chunked body (h11 chose chunked framing) under way to a client still there:
@@ -161,7 +178,22 @@ class HttpReply:
             return
         if not data or self._head_only or self._gone:
             return
+        if self._direct is not None:
+            self._left -= len(data)
+            if self._left < 0:
+                raise h11.LocalProtocolError("Too much data for declared Content-Length")
+            self._write(data)
+            return
         self._write(self._connection.emit(h11.Data(data=data)))
+
+    def write_framed(self, prefix: bytes, data: bytes, suffix: bytes) -> None:
+        """``write(prefix + data + suffix)``, framed in one go: a stream's per-token path
+        (an SSE event's lines around a frame, and the chunk around them)."""
+        if self._streaming:
+            size = len(prefix) + len(data) + len(suffix)
+            self._connection.transport_write(b"%x\r\n%b%b%b\r\n" % (size, prefix, data, suffix))
+            return
+        self.write(prefix + data + suffix)
 
     async def drain(self) -> None:
         """Until the transport has room again (at once if it has)."""
@@ -171,6 +203,14 @@ class HttpReply:
 
     def end(self) -> None:
         if self._gone:
+            return
+        if self._direct is not None:
+            if self._streaming:
+                self._write(b"0\r\n\r\n")
+            elif self._left:
+                raise h11.LocalProtocolError("Too little data for declared Content-Length")
+            self._streaming = False
+            self.ended = True
             return
         self._streaming = False
         self._write(self._connection.emit(h11.EndOfMessage()))
@@ -198,6 +238,11 @@ class HttpReply:
         if status >= 400:
             self.error_body = body  # its code and param go to the access log
         data = self._head(status, fields)
+        if self._direct is not None:
+            self._left = 0
+            self._write(data + body)
+            self.ended = True
+            return
         if body and not self._head_only:
             data += self._connection.emit(h11.Data(data=body))
         self._write(data + self._connection.emit(h11.EndOfMessage()))
@@ -219,11 +264,18 @@ class HttpReply:
             fields.append((REQUEST_ID, self._request_id))
         if self._connection.closing:  # shutdown: this is the connection's last response
             fields.append(("Connection", "close"))
-        data = self._connection.emit(
-            h11.Response(status_code=status, headers=fields, reason=_reason(status))
-        )
+        if self._direct is not None:
+            data, chunked, self.closes = request_head.response_head(
+                status, _reason(status), fields, keep_alive=self._direct
+            )
+            if not chunked:
+                self._left = next((int(v) for n, v in fields if n.lower() == "content-length"), 0)
+        else:
+            data = self._connection.emit(
+                h11.Response(status_code=status, headers=fields, reason=_reason(status))
+            )
+            chunked = b"transfer-encoding: chunked" in data.lower()
         self.status = status
-        chunked = b"transfer-encoding: chunked" in data.lower()
         self._streaming = chunked and not self._head_only and not self._gone
         return data
 
@@ -254,7 +306,9 @@ class HttpConnection(asyncio.Protocol):
         self.protocol = protocol
         self._websocket = websocket
         self._loop = asyncio.get_running_loop()
-        self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        # Made when a request needs it: a WebSocket upgrade, or a connection whose requests
+        # all have the common shape, never does.
+        self._h11_connection: h11.Connection | None = None
         self._transport: asyncio.Transport | None = None
         self._writes: CoalescedWrites | None = None
         self._state: State = "head"
@@ -262,6 +316,11 @@ class HttpConnection(asyncio.Protocol):
         # The current request's bytes as received, until its head is whole: what a
         # WebSocket handshake hands on to websockets.
         self._raw: bytearray | None = bytearray()
+        # h11 has seen nothing of the current request: it may be read without it
+        # (request_head.py); once it has, h11 reads the request to its end.
+        self._fresh = True
+        self._direct: request_head.RequestHead | None = None  # read so, its body coming
+        self._leftover = bytearray()  # what came after a direct request (pipelined)
         self._host_added = False  # this request's head was parsed again with an empty Host
         self._timer: asyncio.TimerHandle | None = None
         self._request: h11.Request | None = None
@@ -280,6 +339,14 @@ class HttpConnection(asyncio.Protocol):
     @property
     def closing(self) -> bool:
         return self._service.closing
+
+    @property
+    def _h11(self) -> h11.Connection:
+        if self._h11_connection is None:
+            self._h11_connection = h11.Connection(
+                h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES
+            )
+        return self._h11_connection
 
     # -- asyncio callbacks -------------------------------------------------------------
 
@@ -301,14 +368,24 @@ class HttpConnection(asyncio.Protocol):
                 self._arm(self._service.handshake_timeout)
             elif self._first and self._upgrade_at_once(self._raw):
                 return
+            if self._fresh:
+                self._read_head()
+                return
         elif self._state == "body":
             self._arm(self._service.handshake_timeout)  # a body must keep coming
+            if self._direct is not None:
+                self._leftover += data
+                self._direct_body()
+                return
         elif self._state == "handling":
             self._read_ahead += len(data)
             if self._read_ahead > PIPELINE_BYTES and not self._reading_paused:
                 # Bounded read-ahead; while paused, a disconnect shows only on a write.
                 self._reading_paused = True
                 self._require_transport().pause_reading()
+            if self._fresh:  # a direct request is handled: this is the next one's
+                self._leftover += data
+                return
         self._h11.receive_data(data)
         self._advance()
 
@@ -373,6 +450,55 @@ class HttpConnection(asyncio.Protocol):
 
     # -- the request cycle ---------------------------------------------------------------
 
+    def _read_head(self) -> None:
+        """The current request's bytes so far are in ``_raw``, and h11 has seen none of
+        them: read it without h11 if it has the common shape, else hand h11 all of it."""
+        raw = self._raw
+        assert raw is not None
+        # Where the head ends as h11 finds it (a bare LF ends a line too, which only h11
+        # reads): waiting for a CRLF CRLF that never comes would hang such a client.
+        found = _HEAD_END.search(raw)
+        if found is None and len(raw) <= MAX_HEAD_BYTES:
+            return  # the rest of the head is coming (the head timer runs)
+        end = found.start() - 1 if found is not None else -1
+        if raw[end : end + 4] != b"\r\n\r\n" or end > MAX_HEAD_BYTES - 4:
+            end = -1
+        head = request_head.parse(raw, end) if end >= 0 else None
+        target = None
+        if head is not None:
+            path = head.target.partition("?")[0]
+            target = self._service.routes.resolve(head.method, path)
+            if head.length > target.body_limit:
+                target = None  # h11's path refuses it (413), as any too large
+        if head is None or target is None:
+            self._fresh = False
+            self._h11.receive_data(bytes(raw))
+            self._advance()
+            return
+        self._raw = None
+        self._head_at = time.perf_counter()
+        self._cancel_timer()
+        if self._first:
+            self._first = False
+            self._service.pending.discard(self)
+        self._direct, self._target, self._headers = head, target, head.headers
+        self._leftover = raw
+        del raw[: end + 4]
+        self._state = "body"
+        self._arm(self._service.handshake_timeout)
+        self._direct_body()
+
+    def _direct_body(self) -> None:
+        """A direct request's body is in ``_leftover`` so far: handle it once it is whole."""
+        head, buffered = self._direct, self._leftover
+        assert head is not None
+        if len(buffered) < head.length:
+            return
+        body = bytes(buffered[: head.length])
+        del buffered[: head.length]  # the next request's beginning, if pipelined
+        self._direct = None
+        self._dispatch(head.method, head.target, head.headers, body, "1.1", head.keep_alive)
+
     def _advance(self) -> None:
         """Act on every event h11 can parse now."""
         while self._state in ("head", "body", "idle"):
@@ -404,7 +530,7 @@ class HttpConnection(asyncio.Protocol):
             return False
         self._host_added = True
         line_end = raw.index(b"\n") + 1
-        self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self._h11_connection = None  # a fresh one
         self._h11.receive_data(bytes(raw[:line_end]) + b"Host: \r\n" + bytes(raw[line_end:]))
         return True
 
@@ -475,30 +601,48 @@ class HttpConnection(asyncio.Protocol):
             self._refuse(413, f"The body is larger than {self._target.body_limit} bytes.")
 
     def _on_end(self) -> None:
-        event, target = self._request, self._target
-        assert event is not None and target is not None
+        event = self._request
+        assert event is not None
+        body, self._body = bytes(self._body), bytearray()
+        version = event.http_version.decode("ascii")
+        method, target = event.method.decode("ascii"), event.target.decode("ascii")
+        self._dispatch(method, target, self._headers, body, version, None)
+
+    def _dispatch(
+        self,
+        method: str,
+        target_text: str,
+        headers: Headers,
+        body: bytes,
+        http_version: str,
+        direct: bool | None,
+    ) -> None:
+        """A whole request: its handler's task starts. ``direct``: read without h11 (and
+        whether it keeps the connection alive), None: h11's."""
+        target = self._target
+        assert target is not None
         self._cancel_timer()
         self._state = "handling"
         self._read_ahead = 0
-        target_text = event.target.decode("ascii")
         path, _, query = target_text.partition("?")
-        method = event.method.decode("ascii")
         record = self._service.observability.http_request(
-            method, path, target.pattern, self._headers, self._client, self._head_at
+            method, path, target.pattern, headers, self._client, self._head_at
         )
         request = HttpRequest(
             method=method,
             path=path,
-            query=urllib.parse.parse_qs(query, keep_blank_values=True),
-            headers=self._headers,
-            body=bytes(self._body),
+            query=urllib.parse.parse_qs(query, keep_blank_values=True) if query else {},
+            headers=headers,
+            body=body,
             params=target.params,
-            http_version=event.http_version.decode("ascii"),
+            http_version=http_version,
             record=record,
         )
-        self._body = bytearray()
-        reply = HttpReply(self, head_only=method == "HEAD", request_id=record.request_id or "")
+        reply = HttpReply(
+            self, head_only=method == "HEAD", request_id=record.request_id or "", direct=direct
+        )
         self._reply = reply
+        self._fresh = direct is not None  # the next request's bytes are ours, not h11's
         self._task = self._loop.create_task(self._serve(target.handler, request, reply))
         self._service.track(self._task)
 
@@ -529,19 +673,26 @@ class HttpConnection(asyncio.Protocol):
                 observability.http_answered(
                     request.record, reply.status, reply.error_body, request.headers
                 )
-            self._next_cycle()
+            self._next_cycle(reply)
 
-    def _next_cycle(self) -> None:
+    def _next_cycle(self, reply: HttpReply) -> None:
         """The response is over: read the next request, or close."""
         if self._state != "handling":
             return  # closed, or closing
-        h = self._h11
-        if self.closing or h.our_state is not h11.DONE or h.their_state is not h11.DONE:
-            self._close()  # Connection: close, HTTP/1.0, shutdown, or a response cut short
-            return
-        h.start_next_cycle()
+        if self._fresh:  # a direct request: h11 is still at the start of its cycle
+            if self.closing or reply.closes or not reply.ended:
+                self._close()  # Connection: close, shutdown, or a response cut short
+                return
+            pipelined, self._leftover = bytes(self._leftover), bytearray()
+        else:
+            h = self._h11
+            if self.closing or h.our_state is not h11.DONE or h.their_state is not h11.DONE:
+                self._close()  # Connection: close, HTTP/1.0, shutdown, or a response cut short
+                return
+            h.start_next_cycle()
+            pipelined = h.trailing_data[0]
+            self._fresh = not pipelined  # h11 holds those bytes: it reads that request
         self._request = self._target = None
-        pipelined = h.trailing_data[0]
         self._raw = bytearray(pipelined)
         self._host_added = False
         self._state = "head" if pipelined else "idle"
@@ -549,7 +700,12 @@ class HttpConnection(asyncio.Protocol):
         if self._reading_paused:
             self._reading_paused = False
             self._require_transport().resume_reading()
-        self._advance()
+        if not pipelined:
+            return
+        if self._fresh:
+            self._read_head()
+        else:
+            self._advance()
 
     def _hand_off(self, raw: bytes) -> None:
         """Make this connection websockets': a ServerConnection as ``serve()`` builds it,

@@ -34,14 +34,25 @@ from gateway.transport.wire import MAX_HELD, Hold
 TERMINAL_TYPES = (b"response.completed", b"response.incomplete", b"response.failed")
 _TYPE = b'"type":"'
 
-Messages = Callable[[bytes], tuple[bytes, bool]]
-"""A frame's SSE message, and whether it ends the stream."""
+Messages = Callable[[bytes], tuple[bytes, bytes, bool]]
+"""What goes before and after a frame in its SSE message, and whether it ends the stream."""
+
+# A Responses text delta (its framing's template starts so): every token's event.
+_DELTA_START = b'{"type":"response.output_text.delta"'
+_DELTA_PREFIX = b"event: response.output_text.delta\ndata: "
+_END = b"\n\n"
 
 
-def responses_message(frame: bytes) -> tuple[bytes, bool]:
+def responses_message(frame: bytes) -> tuple[bytes, bytes, bool]:
+    if frame.startswith(_DELTA_START):
+        return _DELTA_PREFIX, _END, False
     start = frame.find(_TYPE) + len(_TYPE)
     event_type = frame[start : frame.find(b'"', start)]
-    return b"event: %b\ndata: %b\n\n" % (event_type, frame), event_type in TERMINAL_TYPES
+    return b"event: %b\ndata: " % event_type, _END, event_type in TERMINAL_TYPES
+
+
+_DATA = b"data: "
+_DONE = b"\n\ndata: [DONE]\n\n"
 
 
 def chunk_messages(include_usage: bool, choices: int = 1) -> Messages:
@@ -52,10 +63,10 @@ def chunk_messages(include_usage: bool, choices: int = 1) -> Messages:
     last = b'"choices":[]' if include_usage else b'"finish_reason":"'
     left = [1 if include_usage else choices]  # marked chunks still to come
 
-    def message(frame: bytes) -> tuple[bytes, bool]:
+    def message(frame: bytes) -> tuple[bytes, bytes, bool]:
         if frame.startswith(b'{"error"') or (last in frame and _counted(left)):
-            return b"data: %b\n\ndata: [DONE]\n\n" % frame, True
-        return b"data: %b\n\n" % frame, False
+            return _DATA, _DONE, True
+        return _DATA, _END, False
 
     return message
 
@@ -95,7 +106,13 @@ class SseWire:
             due = hold.due(self.session_id)
             hold.after(due, lambda: self._release(frame), self.session_id)
             return
-        self._send(frame)
+        # _send, inline: this is every token's way out.
+        prefix, suffix, last = self._messages(frame)
+        self._reply.write_framed(prefix, frame, suffix)
+        if last:
+            # The body's end goes with the last event, in the same write.
+            self._reply.end()
+            self._end()
 
     def _release(self, frame: bytes) -> None:
         self._held -= 1
@@ -104,8 +121,8 @@ class SseWire:
     def _send(self, frame: bytes) -> None:
         if self._ended:
             return
-        message, last = self._messages(frame)
-        self._reply.write(message)
+        prefix, suffix, last = self._messages(frame)
+        self._reply.write_framed(prefix, frame, suffix)
         if last:
             # The body's end goes with the last event, in the same write.
             self._reply.end()

@@ -16,7 +16,6 @@ actor's, on its turn; the observer is told of the start, a refusal and the end.
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Sequence
 
@@ -74,7 +73,7 @@ class ChatDialect(OneRequestDialect[cc.ChatBody]):
             logprobs=body.logprobs,
         )
         self._head = {
-            "id": f"chatcmpl-{secrets.token_hex(12)}",
+            "id": f"chatcmpl-{codec.random_hex(12)}",
             "object": "chat.completion.chunk",
             "created": int(time.time()),
             "model": body.model or c.model,

@@ -23,7 +23,6 @@ the observer is told of the start, a refusal and the end.
 
 from __future__ import annotations
 
-import secrets
 import time
 from dataclasses import replace
 from typing import Any
@@ -87,7 +86,7 @@ class CompletionsDialect(OneRequestDialect[kc.CompletionBody]):
             logprobs=0 if ranked and body.logprobs is None else body.logprobs,
         )
         self._head = {
-            "id": f"cmpl-{secrets.token_hex(12)}",
+            "id": f"cmpl-{codec.random_hex(12)}",
             "object": "text_completion",
             "created": int(time.time()),
             "model": body.model or c.model,

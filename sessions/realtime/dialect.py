@@ -10,7 +10,6 @@ responses beside it. Events are numbered from 1, ``session.created`` first.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -39,8 +38,12 @@ from sessions.core import (
 )
 from sessions.realtime import codec as rt
 
-_DELTA_HEAD = b'{"type":"response.output_text.delta","event_id":"event_'
-_DELTA_INDEXES = b',"output_index":0,"content_index":0,"delta":'
+# A response's text delta, as a template: its event id's tag, then (per delta) the number
+# twice and the text; the ids are spliced in once per response (RealtimeFraming.delta_ids).
+_DELTA = (
+    b'{"type":"response.output_text.delta","event_id":"event_%b_%%x","sequence_number":%%d'
+    b',"response_id":%b,"item_id":%b,"output_index":0,"content_index":0,"delta":%%b}'
+)
 
 _STATUS_REASON: dict[str, dict[str, Any]] = {
     "completed": {"type": "completed"},
@@ -57,7 +60,7 @@ class RealtimeFraming:
     replays_first = False
 
     def __init__(self) -> None:
-        self._tag = secrets.token_hex(4).encode()  # event ids: unique per session
+        self._tag = codec.random_hex(4).encode()  # event ids: unique per session
 
     def numbered(self, seq: int, body: bytes) -> bytes:
         # The body is an encoded JSON object: splice the two fields in after "{".
@@ -69,21 +72,10 @@ class RealtimeFraming:
         )
 
     def delta_ids(self, response_id: str, item_id: str) -> bytes:
-        return b',"response_id":%b,"item_id":%b' % (
-            orjson.dumps(response_id),
-            orjson.dumps(item_id),
-        )
+        return _DELTA % (self._tag, _template(response_id), _template(item_id))
 
     def delta(self, seq: int, ids: bytes, text: str) -> bytes:
-        return b'%b%b_%x","sequence_number":%d%b%b%b}' % (
-            _DELTA_HEAD,
-            self._tag,
-            seq,
-            seq,
-            ids,
-            _DELTA_INDEXES,
-            orjson.dumps(text),  # escapes the text as JSON does
-        )
+        return ids % (seq, seq, orjson.dumps(text))  # orjson escapes the text as JSON does
 
     def delta_logprobs(
         self, seq: int, ids: bytes, text: str, logprobs: Sequence[TokenLogprob]
@@ -91,6 +83,11 @@ class RealtimeFraming:
         """Never asked for: a Realtime response asks for no log probabilities (its text
         delta has no field for them)."""
         return self.delta(seq, ids, text)
+
+
+def _template(value: str) -> bytes:
+    """``value`` as a JSON string that can sit in a ``%`` template."""
+    return orjson.dumps(value).replace(b"%", b"%%")
 
 
 class RealtimeDialect:

@@ -252,8 +252,70 @@ def read_input(r: Reader, key: str) -> tuple[AnyInput, ...]:
         raise r.fail(key, f"'{r.param(key)}' must be a string or a list of items.", "invalid_type")
     if len(value) > MAX_INPUT_ITEMS:
         raise r.fail(key, f"'{r.param(key)}' holds at most {MAX_INPUT_ITEMS} items.")
-    items = (_input_item(r.child_at(key, i, item)) for i, item in enumerate(value))
-    return tuple(item for item in items if not isinstance(item, _Reasoning))
+    items: list[AnyInput] = []
+    for index, raw in enumerate(value):
+        item = _common_item(raw)
+        if item is None:  # read field by field, for the error that names its param
+            item = _input_item(r.child_at(key, index, raw))
+        if not isinstance(item, _Reasoning):
+            items.append(item)
+    return tuple(items)
+
+
+def _common_item(obj: object) -> AnyInput | _Reasoning | None:
+    """:func:`_input_item`'s answer for a well-formed item of the kinds agents send back
+    and forth (messages of text parts, function calls, their string outputs, reasoning),
+    read without a :class:`Reader` per item and part; None for anything else (anything
+    wrong included), which :func:`_input_item` reads, and refuses naming the param."""
+    if type(obj) is not dict:
+        return None
+    get = obj.get
+    item_id = get("id")
+    if item_id is not None and (type(item_id) is not str or len(item_id) > MAX_ID_CHARS):
+        return None
+    kind = get("type", "message" if "role" in obj else None)
+    if kind == "message":
+        role = get("role")
+        if role not in _ROLES:
+            return None
+        content = get("content")
+        if type(content) is str:
+            text = content
+        elif type(content) is list and content:
+            allowed, texts = _PARTS[role], []
+            for part in content:
+                if type(part) is not dict:
+                    return None
+                part_type = part.get("type")
+                if part_type not in allowed:
+                    return None
+                part_text = part.get("refusal" if part_type == "refusal" else "text")
+                if type(part_text) is not str:
+                    return None
+                texts.append(part_text)
+            text = "".join(texts)
+        else:
+            return None
+        return ItemSpec(item_id, "system" if role == "developer" else role, text)
+    if kind == "function_call":
+        name, call_id, arguments = get("name"), get("call_id"), get("arguments")
+        if type(name) is not str or len(name) > 64 or type(arguments) is not str:
+            return None
+        if type(call_id) is not str or len(call_id) > MAX_ID_CHARS:
+            return None
+        namespace = get("namespace")
+        if namespace is not None:
+            if type(namespace) is not str or len(namespace) > 64:
+                return None
+            if namespace:
+                name = f"{namespace}{rtools.NAMESPACE_SEPARATOR}{name}"
+        return FunctionCallSpec(item_id, call_id, name, arguments)
+    if kind in ("function_call_output", "custom_tool_call_output"):
+        call_id, output = get("call_id"), get("output")
+        if type(call_id) is not str or len(call_id) > MAX_ID_CHARS or type(output) is not str:
+            return None
+        return FunctionCallOutputSpec(item_id, call_id, output)
+    return REASONING if kind == "reasoning" else None
 
 
 class _Reasoning:

@@ -49,14 +49,16 @@ MAX_LANES = 32
 MAX_WAITING = 1024  # turns waiting for a lane or a slot, per connection (memory bound)
 MAX_PENDING_STEERS = 8
 
+# A response's text delta, as a template: the number and the text per delta; its item id
+# (and lane) spliced in once per response (ResponsesFraming.delta_ids). With log
+# probabilities, they take the place of the empty list (a JSON key's quotes cannot occur
+# unescaped inside the ids' strings, so the first match is the field).
 _DELTA = (
-    b'{"type":"response.output_text.delta","sequence_number":%d%b'
-    b',"output_index":0,"content_index":0,"logprobs":[],"delta":%b}'
+    b'{"type":"response.output_text.delta","sequence_number":%%d%b'
+    b',"output_index":0,"content_index":0,"logprobs":[],"delta":%%b}'
 )
-_DELTA_LOGPROBS = (
-    b'{"type":"response.output_text.delta","sequence_number":%d%b'
-    b',"output_index":0,"content_index":0,"logprobs":%b,"delta":%b}'
-)
+_NO_LOGPROBS, _LOGPROBS = b'"logprobs":[]', b'"logprobs":%b'
+
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +77,18 @@ class ResponsesFraming:
         # The delta key is "response id" or "response id stream id" (see Lane.key).
         _, _, stream_id = response_id.partition(" ")
         ids = b',"item_id":%b' % orjson.dumps(item_id)
-        return ids + b',"stream_id":%b' % orjson.dumps(stream_id) if stream_id else ids
+        if stream_id:
+            ids += b',"stream_id":%b' % orjson.dumps(stream_id)
+        return _DELTA % ids.replace(b"%", b"%%")
 
     def delta(self, seq: int, ids: bytes, text: str) -> bytes:
-        return _DELTA % (seq, ids, orjson.dumps(text))
+        return ids % (seq, orjson.dumps(text))
 
     def delta_logprobs(
         self, seq: int, ids: bytes, text: str, logprobs: Sequence[TokenLogprob]
     ) -> bytes:
         lps = orjson.dumps(codec.text_logprobs_json(logprobs))
-        return _DELTA_LOGPROBS % (seq, ids, lps, orjson.dumps(text))
+        return ids.replace(_NO_LOGPROBS, _LOGPROBS, 1) % (seq, lps, orjson.dumps(text))
 
 
 class _Prefill:
@@ -357,8 +361,10 @@ class ResponsesDialect:
         if previous is not None and lane.latest is previous and lane.pending_steers:
             queued, lane.pending_steers = [*lane.pending_steers, *queued], []
         steer_specs = tuple(spec for _, steer in queued for spec in steer.input)
-        new = input_items((*steer_specs, *body.input), "input", None, history)
-        items = tuple(replace(i, id=i.id or core.free_item_id()) for i in new)
+        items = tuple(input_items((*steer_specs, *body.input), "input", None, history))
+        for item in items:  # made just now, by input_items: theirs to name
+            if not item.id:
+                item.id = core.free_item_id()
         tools = codec.chosen(body.tools, c.tools)
         choice = codec.chosen(body.tool_choice, c.tool_choice)
         check_tool_choice(tools, choice, "", None)

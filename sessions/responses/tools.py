@@ -94,6 +94,10 @@ def read_tools(r: Reader) -> ToolSet:
     mapped: list[Mapped] = []
     hosted: list[tuple[str, str]] = []
     for index, raw in enumerate(value):
+        tool = _common_function(raw, tools)
+        if tool is not None:
+            tools.append(tool)
+            continue
         t = r.child_at("tools", index, raw)
         kind = t.obj.get("type", "function")
         if kind == "function":
@@ -111,6 +115,28 @@ def read_tools(r: Reader) -> ToolSet:
                 "invalid_value",
             )
     return ToolSet(tuple(tools), tuple(mapped), tuple(hosted))
+
+
+def _common_function(raw: object, tools: list[Tool]) -> Tool | None:
+    """:func:`_function`'s answer for a well-formed function tool, read without a
+    :class:`Reader`; None for anything else (anything wrong included): read so, and
+    refused naming the param."""
+    if type(raw) is not dict or raw.get("type", "function") != "function":
+        return None
+    if not raw.keys() <= _FUNCTION_FIELDS:
+        return None
+    name, description, parameters = raw.get("name"), raw.get("description"), raw.get("parameters")
+    if type(name) is not str or not TOOL_NAME.fullmatch(name):
+        return None
+    if description is not None and type(description) is not str:
+        return None
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    elif type(parameters) is not dict or parameters.get("type", "object") != "object":
+        return None
+    if any(tool.name == name for tool in tools):
+        return None
+    return Tool(name, description or "", parameters)
 
 
 def _tool_name(t: Reader, tools: list[Tool], flat: str | None) -> tuple[str, str]:

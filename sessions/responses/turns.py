@@ -37,6 +37,15 @@ class Turn:
     steers: list[tuple[str, rp.Steer]] = field(default_factory=list)  # accepted, queued
     # A custom tool call's input so far, by its item id (its deltas stream from this).
     inputs: dict[str, rtools.InputDecoder] = field(default_factory=dict)
+    # Its tools as the Response object echoes them: made once for all its Response
+    # objects (created, completed...), which only serialize them.
+    echoed: list[codec.JSON] | None = None
+
+    @property
+    def tools_echo(self) -> list[codec.JSON]:
+        if self.echoed is None:
+            self.echoed = rtools.tools_echo(self.tools, self.body.mapped)
+        return self.echoed
 
 
 @dataclass(eq=False, slots=True)
@@ -92,7 +101,7 @@ def response_json(
         "temperature": c.temperature if body.temperature == codec.UNSET else body.temperature,
         "text": {"format": body.text_format or {"type": "text"}},
         "tool_choice": codec.tool_choice_json(turn.tool_choice),
-        "tools": rtools.tools_echo(turn.tools, body.mapped),
+        "tools": turn.tools_echo,
         "top_p": c.top_p if body.top_p == codec.UNSET else body.top_p,
         "truncation": body.truncation,
         "usage": usage,
