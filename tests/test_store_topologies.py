@@ -85,9 +85,9 @@ async def test_sessions_are_written_and_read_back_each_on_one_slot(
         for _ in range(5):
             session.frame(a)
     await a.flush()
-    assert a.up
+    assert a.holds.up
     for session in sessions:
-        loaded = await b.load(session.id)
+        loaded = await b.reads.load(session.id)
         assert loaded is not None and loaded.owner == "p1"
         assert loaded.frames == session.frames
         assert loaded.state == orjson.loads(session.state())
@@ -121,10 +121,10 @@ async def test_a_write_the_lease_refuses_ends_the_session_there(
         client.close()
     released: list[int] = []
     session.frame(a)
-    a.after(a.due(session.id), lambda: released.append(1), session.id)
+    a.holds.after(a.holds.due(session.id), lambda: released.append(1), session.id)
     await a.flush()
     assert lost == [session.id] and released == []
-    loaded = await b.load(session.id)
+    loaded = await b.reads.load(session.id)
     assert loaded is not None and loaded.owner == "p2"
     assert [seq for seq, _ in loaded.frames] == [1]  # the refused frame is not in the log
 
@@ -152,7 +152,7 @@ async def test_frames_the_store_lost_are_written_again_from_memory(
     session.frame(a)
     await a.flush()
     await a.flush()  # the frames written again
-    loaded = await b.load(session.id)
+    loaded = await b.reads.load(session.id)
     assert loaded is not None
     assert loaded.frames == session.frames
 
@@ -165,10 +165,10 @@ async def test_a_released_lease_is_taken_at_once_and_the_channel_reaches_its_own
     a.own(session.id, session.source)
     session.frame(a)
     await a.flush()
-    assert not await b.acquire(session.id)  # held
+    assert not await b.leases.acquire(session.id)  # held
     a.release(session.id, 5)
     await a.flush()
-    assert await b.acquire(session.id)
+    assert await b.leases.acquire(session.id)
     received: asyncio.Queue[bytes] = asyncio.Queue()
 
     async def listen() -> None:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from gateway.cluster.redis_store import response_key
+from gateway.cluster.store_writes import response_key
 from gateway.engines.sim import SimEngine
 from tests.support.gateway_processes import gateways
 from tests.support.harness import RawClient, RunningGateway, running_gateway

@@ -171,7 +171,7 @@ class ResponsesHttp(HttpApi):
         # The head goes first: attaching the wire writes what is pending at once (with
         # the head, in one write). A background response's events wait for the session
         # store, so that another instance can continue from any event its client read.
-        hold = self._persistence.store if keep and self._persistence is not None else None
+        hold = self._persistence.store.holds if keep and self._persistence is not None else None
         wire = SseWire(reply, hold=hold)
         with session.scheduler.write_batch:
             reply.start(200, SSE_HEADERS)
@@ -359,7 +359,7 @@ class ResponsesHttp(HttpApi):
         reply.start(200, SSE_HEADERS)
         # Held for the store like a local stream: after a takeover the session writes here.
         assert self._persistence is not None
-        wire = SseWire(reply, hold=self._persistence.store)
+        wire = SseWire(reply, hold=self._persistence.store.holds)
         live = await self.background.relay(remote, after, wire)
         if live is not None:
             await self._follow(live.session, wire, keep=True)

@@ -89,6 +89,8 @@ class WebSocketEndpoint:
         self._metrics = metrics
         self._dialects = dialects
         self._store = store
+        # What a socket's frames wait for: the store's flushes.
+        self._hold = store.holds if store is not None else None
         self._persistence = persistence
         self._wires: set[SocketWire] = set()  # attached to a session's outbox
         # Each handshake's tenant, from process_request to handle() (gone with it).
@@ -217,7 +219,7 @@ class WebSocketEndpoint:
             self._metrics.tenant_refused.labels(tenant=tenant, reason="session").inc()
             await close_socket(ws, 1013, "rate_limit_exceeded: the key's max_sessions")
             return None
-        wire = SocketWire(ws, self._store, self._write_batch)
+        wire = SocketWire(ws, self._hold, self._write_batch)
         self._wires.add(wire)
         api = "realtime" if upgrade is None else "responses"
         self._metrics.websocket_connections.labels(api=api).inc()
@@ -275,7 +277,7 @@ class WebSocketEndpoint:
         if self._state.stopping:
             await close_socket(ws, 1001, "server shutting down")
             return
-        wire = SocketWire(ws, self._store, self._write_batch)
+        wire = SocketWire(ws, self._hold, self._write_batch)
         self._wires.add(wire)
         session: Session | None = None
         try:

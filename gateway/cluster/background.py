@@ -31,7 +31,8 @@ from redis.exceptions import RedisError
 
 from gateway.cluster import store_relay
 from gateway.cluster.persistence import Persistence
-from gateway.cluster.redis_store import Loaded, channel
+from gateway.cluster.redis_store import channel
+from gateway.cluster.store_reads import Loaded
 from gateway.transport.sse import TERMINAL_TYPES, SseWire
 from sessions.errors import ResumeRefused
 
@@ -92,7 +93,7 @@ class Background:
     async def keep(self, response_id: str, session_id: str, token: str) -> None:
         """Record the response's session, and wait until Redis has it."""
         data = orjson.dumps({"session": session_id, "token": token})
-        self.store.put_background(response_id, data, self._ttl)
+        self.store.responses.put_background(response_id, data, self._ttl)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(2):  # a store that is down: the create goes on
                 await self.store.flush()
@@ -100,7 +101,7 @@ class Background:
     async def forget(self, response_id: str) -> None:
         """Delete the record, and wait until Redis has it gone (with what was queued
         before it: the stored response's delete)."""
-        self.store.delete_background(response_id)
+        self.store.responses.delete_background(response_id)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(2):  # a store that is down: the delete goes on
                 await self.store.flush()
@@ -108,7 +109,7 @@ class Background:
     async def find(self, response_id: str, tenant: str) -> Remote | None:
         """``tenant``'s background response ``response_id`` from the store, if it has one."""
         try:
-            data = await self.store.get_background(response_id)
+            data = await self.store.reads.background(response_id)
         except (RedisError, OSError):
             return None
         if data is None:
@@ -184,7 +185,7 @@ class Background:
 
     async def _owner_there(self, remote: Remote) -> bool:
         try:
-            owner = await self.store.owner(remote.session_id)
+            owner = await self.store.reads.owner(remote.session_id)
         except (RedisError, OSError):
             return True  # Redis is away: the tail reads on once it is back
         return owner is not None and owner == remote.loaded.owner

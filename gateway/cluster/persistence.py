@@ -34,7 +34,8 @@ import socket
 import orjson
 from redis.exceptions import RedisError
 
-from gateway.cluster.redis_store import Loaded, RedisStore, Source
+from gateway.cluster.redis_store import RedisStore, Source
+from gateway.cluster.store_reads import Loaded
 from gateway.metrics import Metrics
 from gateway.observability import Record
 from gateway.session_table import SessionTable
@@ -119,8 +120,10 @@ class Persistence:
         self._handed_over = False  # a drain gave every session back to the store
         table.keeper = self
         store.on_lost = self.lost
-        responses.on_put = lambda r: store.put_response(r.id, response_json(r), responses.ttl)
-        responses.on_delete = store.delete_response
+        responses.on_put = lambda r: store.responses.put_response(
+            r.id, response_json(r), responses.ttl
+        )
+        responses.on_delete = store.responses.delete_response
 
     # -- sessions of this process ------------------------------------------------------
 
@@ -192,7 +195,7 @@ class Persistence:
         if response_id in local:
             return
         try:
-            data = await self.store.get_response(response_id)
+            data = await self.store.reads.response(response_id)
         except (RedisError, OSError):
             return
         if data is not None:
@@ -202,7 +205,7 @@ class Persistence:
         """The stored session, if ``token`` is its and ``tenant`` owns it; else
         :class:`ResumeRefused` (the same ``session_not_found`` for either)."""
         try:
-            loaded = await self.store.load(session_id)
+            loaded = await self.store.reads.load(session_id)
         except (RedisError, OSError) as exc:
             log.warning("resume of %s: the session store does not answer (%r)", session_id, exc)
             raise ResumeRefused("session_not_found") from None
@@ -220,7 +223,7 @@ class Persistence:
         else raise :class:`ResumeRefused`."""
         table = self._table
         session_id = loaded.state["id"]
-        if not await self.store.acquire(session_id):
+        if not await self.store.leases.acquire(session_id):
             raise ResumeRefused("session_busy")
         if loaded.frames:
             self.store.logged_upto(session_id, loaded.frames[-1][0])

@@ -20,7 +20,7 @@ message goes to the one shard a channel hashes to and its receiver count is true
 and whether writes are replicated (then a takeover waits for a replica to have its lease).
 
 Nothing here retries: a failure raises (``RedisError``/``OSError``), and the store's
-callers retry as they see fit (redis_store.py).
+callers retry as they see fit (store_reads.py, store_lanes.py).
 """
 
 from __future__ import annotations

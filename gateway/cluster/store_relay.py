@@ -31,7 +31,8 @@ from redis.exceptions import RedisError
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from gateway.cluster.redis_store import Loaded, RedisStore, channel, log_key, owner_key
+from gateway.cluster.redis_store import RedisStore, channel, log_key, owner_key
+from gateway.cluster.store_reads import Loaded
 from gateway.transport.wire import SocketWire
 from sessions import errors
 from sessions.core import Session

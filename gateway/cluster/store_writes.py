@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.crc import key_slot
 
@@ -61,6 +61,13 @@ class LogWrites:
     trim_before: int | None = None
     check: bool = False  # no frames, but see that the log holds all it should
 
+    def follow(self, older: LogWrites) -> None:
+        """Take in ``older`` (what a failed flush took), ahead of what was queued since."""
+        self.frames[:0] = older.frames
+        self.token_ids.update(older.token_ids)
+        self.trim_before = self.trim_before or older.trim_before
+        self.check = self.check or older.check
+
 
 @dataclass(slots=True)
 class StateWrites:
@@ -72,6 +79,29 @@ class StateWrites:
     renew: bool = False
     release_for: float | None = None  # let go of the lease; the keys live this long
     forget: bool = False
+
+    def follow(self, older: StateWrites) -> None:
+        """Take in ``older`` (what a failed flush took), ahead of what was queued since."""
+        self.token = self.token or older.token
+        self.state = self.state or older.state
+        self.take = self.take or older.take
+        self.renew = self.renew or older.renew
+        if self.release_for is None:
+            self.release_for = older.release_for
+        self.forget = self.forget or older.forget
+
+
+W = TypeVar("W", LogWrites, StateWrites)
+
+
+def put_back(queue: dict[str, W], taken: dict[str, W]) -> None:
+    """What a failed flush took, queued again ahead of what was queued since."""
+    for session_id, old in taken.items():
+        new = queue.get(session_id)
+        if new is None:
+            queue[session_id] = old
+        else:
+            new.follow(old)
 
 
 Groups = dict[str, list[list[str]]]  # node -> sessions of one slot each
@@ -121,6 +151,22 @@ def save_args(writes: StateWrites) -> list[Any]:
         "" if writes.release_for is None else max(1, int(1000 * writes.release_for)),
         "1" if writes.forget else "",
     ]
+
+
+Call = Callable[[list[Any], list[tuple[str, list[Any]]]], tuple[Any, ...]]
+
+
+def calls(
+    call: Call, head: list[Any], parts: dict[str, list[Any]], node_of_slot: NodeOf | None
+) -> tuple[dict[str, list[tuple[Any, ...]]], Groups]:
+    """A flush's script calls (``call``: :func:`append_call` or :func:`save_call`) by node,
+    one per slot, and the sessions of each, in the order of the statuses it returns."""
+    commands: dict[str, list[tuple[Any, ...]]] = {}
+    order: Groups = {}
+    for node, slot_groups in groups(parts, node_of_slot).items():
+        commands[node] = [call(head, [(s, parts[s]) for s in g]) for g in slot_groups]
+        order[node] = slot_groups
+    return commands, order
 
 
 def script_call(sha: str, keys: list[str], head: list[Any], args: list[Any]) -> tuple[Any, ...]:

@@ -29,7 +29,7 @@ KERNEL_SEND_BUFFER = 64 << 10  # per connection (Linux doubles it for bookkeepin
 
 class Hold(Protocol):
     """What a socket's writes wait for before they reach the client: the session store's
-    flush (gateway/cluster/redis_store.py), so that no client sees a frame the store lacks,
+    flush (gateway/cluster/store_holds.py), so that no client sees a frame the store lacks,
     nor one numbered by a process whose lease another has taken (a callback for a session
     the store has lost is never called: the wire is abandoned instead)."""
 
